@@ -1,0 +1,35 @@
+# kvsim: `make run` sets up and runs the default scenario; `make test` sets up and runs the tests.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# torch==2.13.0 resolves to the CPU build on these machines; the CPU replay backend needs it.
+EXTRAS := dev,cpu-ref
+
+.PHONY: run test lint bench setup clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	rm -f $(VENV)/.installed-*; touch $@
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvsim run scenarios/default.toml
+
+test: $(STAMP)
+	$(BIN)/ruff check sim gpu_backend tests bench
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -n 2 -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check sim gpu_backend tests bench
+	$(BIN)/mypy
+
+bench: $(STAMP)
+	$(BIN)/python bench/run.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,38 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # Prefix reuse on the Mooncake conversation trace
+# `scenarios/mooncake.toml` replays the first rows of the Mooncake trace from `../shared/traces`
+# (its hash ids become shared token content); where the trace is absent it falls back to a
+# synthetic workload with shared prefixes. Reuse off vs on: hit rate, TTFT and KV.
+
+# %%
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+
+from sim.sweep import sweep
+
+ROOT = Path.cwd().parent if Path.cwd().name == "notebooks" else Path.cwd()
+BASE = ROOT / "scenarios" / "mooncake.toml"
+trace = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
+print("Mooncake trace present:", trace.exists())
+grid = {"workload.trace.limit": [60], "cache.reuse": ["off", "full", "partial-copy"]}
+res = sweep(BASE, grid, ROOT / "runs" / "notebooks" / "reuse").to_pandas()
+res[["grid.cache.reuse", "prefix_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "kv_blocks_mean",
+     "output_tps"]]
+
+# %%
+fig, ax = plt.subplots(figsize=(5, 3), dpi=80)
+ax.bar(res["grid.cache.reuse"], res["ttft_p99_ms"])
+ax.set_ylabel("TTFT p99 (ms)"), ax.set_title("prefix reuse on Mooncake")

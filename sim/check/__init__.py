@@ -1,0 +1,7 @@
+"""Invariant checking from trace records (DESIGN §3.7): online per step, or offline per trace."""
+
+from sim.check.access import StepAccess, access_of, step_access
+from sim.check.checker import StepChecker
+from sim.check.registry import INVARIANTS
+
+__all__ = ["INVARIANTS", "StepAccess", "StepChecker", "access_of", "step_access"]

@@ -1,0 +1,50 @@
+"""Shared CLI plumbing: bad input → one message on stderr and exit 2, never a traceback."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+from sim.errors import KvsimError
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(msg: str, code: int = 2) -> NoReturn:
+    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn the project's own exceptions (and a user's ^C) into exit codes."""
+    try:
+        yield
+    except KvsimError as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        raise typer.Exit(130) from None
+
+
+def parse_switches(items: list[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for it in items:
+        name, sep, value = it.partition("=")
+        if not sep or not name:
+            fail(f"--switch expects NAME=VALUE, got {it!r}")
+        out[name.strip()] = value.strip()
+    return out
+
+
+def is_tty() -> bool:
+    return sys.stderr.isatty()
+
+
+Printer = Callable[[str], None]

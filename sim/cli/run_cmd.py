@@ -1,0 +1,78 @@
+"""`kvsim run SCENARIO`: simulate, check every invariant online, optionally write a trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sim.cli.common import console, err_console, parse_switches, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    app.command("run")(run_cmd)
+
+
+def run_cmd(
+    scenario: Path = typer.Argument(..., help="Scenario TOML file (see scenarios/README.md)."),
+    profile: str = typer.Option(None, "--profile", "-p",
+                                help="Engine profile, e.g. trtllm-post-17264 or BASE+FAULT."),
+    seed: int = typer.Option(None, "--seed", help="Override the scenario's seed."),
+    out: Path = typer.Option(None, "--out", "-o", help="Write the trace directory here."),
+    switch: list[str] = typer.Option([], "--switch", "-s",
+                                     help="Override one behaviour switch: NAME=VALUE."),
+    no_check: bool = typer.Option(False, "--no-check",
+                                  help="Skip the online invariant checks (capacity runs)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    max_violations: int = typer.Option(10, help="Violations to print."),
+) -> None:
+    """Simulate a scenario. Exit 0: no invariant fired; 1: one did; 2: bad input."""
+    from sim.api import load_scenario, run
+
+    with user_errors():
+        sc, base = load_scenario(scenario)
+        if seed is not None:
+            sc = sc.model_copy(update={"seed": seed})
+        overrides = parse_switches(switch)
+        with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
+                      TextColumn("{task.completed} steps"), TimeElapsedColumn(),
+                      console=err_console, transient=True,
+                      disable=as_json or not err_console.is_terminal) as bar:
+            task = bar.add_task(f"simulating {scenario.name}", total=None)
+            res = run(sc, out=out, check=not no_check, profile=profile, switches=overrides,
+                      base_dir=base, on_progress=lambda k: bar.update(task, completed=k))
+    if as_json:
+        console.print_json(json.dumps({"summary": res.summary,
+                                       "violations": [v.message for v in res.violations]}))
+    else:
+        _print(res, profile or sc.profile, max_violations)
+    raise typer.Exit(1 if res.violations else 0)
+
+
+def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-def]
+    s = res.summary
+    t = Table(title=f"kvsim run · {profile}", show_header=False, title_justify="left")
+    rows = [
+        ("requests", f"{s['requests']} ({s['finished']} finished, {s['rejected']} rejected)"),
+        ("steps", f"{s['steps']}"),
+        ("tokens", f"{s['prompt_tokens']} prompt ({s['reused_tokens']} reused), "
+                   f"{s['output_tokens']} output"),
+        ("acceptance", f"{s['acceptance_rate']:.3f} of drafts, "
+                       f"{s['mean_accepted_len']:.2f} tokens/step"),
+        ("peak KV", f"{s['peak_kv_blocks']} / {s['num_blocks']} blocks"),
+        ("preemptions", f"{s['preemptions']}"),
+        ("simulated time", f"{s['sim_time_ns'] / 1e9:.3f} s"),
+        ("violations", f"{s['violations']}"),
+    ]
+    if res.trace_dir is not None:
+        rows.append(("trace", str(res.trace_dir)))
+    for k, v in rows:
+        t.add_row(k, v)
+    console.print(t)
+    for v in res.violations[:limit]:
+        console.print(f"[red]{v.message}[/]", highlight=False)
+    if len(res.violations) > limit:
+        console.print(f"... and {len(res.violations) - limit} more")

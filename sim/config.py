@@ -1,0 +1,164 @@
+"""Scenario schema: the one place user input is validated (pydantic, unknown keys are errors).
+
+`load_scenario` turns a TOML file into a `Scenario`; every error names the file, the field path
+and what is allowed, and is raised as `ScenarioError` so the CLI can print it and exit 2.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sim.cost import CostConfig
+from sim.errors import ScenarioError
+from sim.workload import WorkloadConfig
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelConfig(BaseModel):
+    model_config = _STRICT
+    num_q_heads: int = Field(32, ge=1, le=1024)
+    num_kv_heads: int = Field(8, ge=1, le=1024)
+    head_dim: int = Field(128, ge=16, le=1024)
+    max_position_embeddings: int = Field(4096, ge=2, le=10_000_000)
+    dtype: Literal["bfloat16", "float16"] = "bfloat16"
+
+    @model_validator(mode="after")
+    def _gqa(self) -> ModelConfig:
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError("model.num_q_heads must be a multiple of model.num_kv_heads")
+        return self
+
+
+class CacheConfig(BaseModel):
+    model_config = _STRICT
+    tokens_per_block: int = Field(32, ge=1, le=1024)
+    num_blocks: int = Field(64, ge=1, le=10_000_000)
+    reuse: Literal["off", "full", "partial-copy", "partial-nocopy"] = "partial-copy"
+    max_blocks_per_seq: int = Field(0, ge=0, le=10_000_000)  # 0 = ceil(max_seq_len / B) + 1
+
+
+class SchedulerConfig(BaseModel):
+    model_config = _STRICT
+    max_batch_size: int = Field(8, ge=1, le=4096)
+    max_num_tokens: int = Field(2048, ge=1, le=1_000_000)
+    policy: Literal["guaranteed-no-evict", "max-utilization"] = "guaranteed-no-evict"
+    chunk_size: int = Field(0, ge=0, le=1_000_000)
+
+
+class ForcedAcceptance(BaseModel):
+    model_config = _STRICT
+    kind: Literal["forced"]
+    accepted: Annotated[list[Annotated[int, Field(ge=0, le=64)]], Field(min_length=1)]
+
+
+class RateAcceptance(BaseModel):
+    model_config = _STRICT
+    kind: Literal["rates"]
+    rates: Annotated[list[Annotated[float, Field(ge=0.0, le=1.0)]], Field(min_length=1)]
+    request_multiplier: tuple[float, float] = (1.0, 1.0)  # per-request factor drawn uniformly
+
+
+class SpecConfig(BaseModel):
+    model_config = _STRICT
+    mode: Literal["none", "mtp"] = "none"
+    max_draft_len: int = Field(0, ge=0, le=64)
+    acceptance: ForcedAcceptance | RateAcceptance = Field(
+        default_factory=lambda: ForcedAcceptance(kind="forced", accepted=[0]),
+        discriminator="kind")
+    # Runtime draft lengths cycled per step (each clamped to max_draft_len); empty = always D.
+    runtime_draft_lens: list[Annotated[int, Field(ge=0, le=64)]] = []
+    extra_kv_tokens: int = Field(0, ge=0, le=64)  # draft-layer KV written past the W tokens
+
+    @model_validator(mode="after")
+    def _mode(self) -> SpecConfig:
+        if self.mode == "mtp" and self.max_draft_len < 1:
+            raise ValueError("spec.max_draft_len must be >= 1 when spec.mode = 'mtp'")
+        return self
+
+    @property
+    def depth(self) -> int:
+        return self.max_draft_len if self.mode == "mtp" else 0
+
+
+class OverlapConfig(BaseModel):
+    model_config = _STRICT
+    enabled: bool = True
+
+
+class LimitsConfig(BaseModel):
+    model_config = _STRICT
+    max_seq_len: int = Field(4096, ge=2, le=10_000_000)
+
+
+class Scenario(BaseModel):
+    model_config = _STRICT
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    profile: str = "trtllm-post-17264"
+    switches: dict[str, bool | str | int] = {}
+    model: ModelConfig = ModelConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    spec: SpecConfig = SpecConfig()
+    overlap: OverlapConfig = OverlapConfig()
+    limits: LimitsConfig = LimitsConfig()
+    workload: WorkloadConfig
+    cost: CostConfig = Field(default_factory=CostConfig)
+
+    @model_validator(mode="after")
+    def _cross(self) -> Scenario:
+        lim, d = self.limits.max_seq_len, self.spec.depth
+        if lim > self.model.max_position_embeddings:
+            raise ValueError(
+                f"limits.max_seq_len ({lim}) must be <= model.max_position_embeddings "
+                f"({self.model.max_position_embeddings})")
+        if d + 2 > lim:
+            raise ValueError(
+                f"spec.max_draft_len ({d}) must be <= limits.max_seq_len - 2 ({lim - 2})")
+        if self.blocks_per_seq * self.cache.tokens_per_block < lim:
+            raise ValueError("cache.max_blocks_per_seq * cache.tokens_per_block must cover "
+                             f"limits.max_seq_len ({lim})")
+        return self
+
+    @property
+    def blocks_per_seq(self) -> int:
+        b = self.cache.tokens_per_block
+        return self.cache.max_blocks_per_seq or -(-self.limits.max_seq_len // b) + 1
+
+
+def _format_error(path: str, err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        msg = e["msg"].removeprefix("Value error, ")
+        got = e.get("input")
+        tail = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+        lines.append(f"{path}: {loc or 'scenario'}: {msg}{tail}")
+    return "\n".join(lines)
+
+
+def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise ScenarioError(_format_error(source, e)) from None
+
+
+def load_scenario(path: str | Path) -> tuple[Scenario, Path]:
+    """Read and validate a scenario file. Returns it and its folder (for relative paths)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ScenarioError(f"{p}: cannot read scenario: {e.strerror or e}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise ScenarioError(f"{p}: not UTF-8 text (byte {e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{p}: invalid TOML: {e}") from None
+    return parse_scenario(data, str(p)), p.resolve().parent

@@ -1,0 +1,97 @@
+"""Attention metadata exactly as the profile's engine builds it, next to the device truth.
+
+Generation row r of width W with its previous step in flight (DESIGN §3.4):
+
+    host:   cached_host = N-1+W   kv_len_host = N-1+2W     (assumes every draft was accepted)
+    device: committed   = N-1+new_tokens_prev              offset = new_tokens_prev - W
+    first generation step: the context committed exactly P, so the fix uses cached = P.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.kv import KVManager
+from sim.profiles import Switches
+from sim.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class MetadataBuilder:
+    def __init__(self, sw: Switches, kv: KVManager, B: int, extra: int, max_pos: int,
+                 buffer_len: int) -> None:
+        self.sw, self.kv, self.B, self.extra, self.max_pos = sw, kv, B, extra, max_pos
+        # FlashInfer's flat kv_indices buffer: torch.empty in the engine, never cleared, so a
+        # row that claims more pages than it copied reads what earlier steps left there.
+        self.flat = np.full(buffer_len, -1, dtype=np.int64)
+        self.plans: dict[object, int] = {}
+
+    def host_view(self, r: Request, W: int) -> tuple[int, int]:
+        """(cached_host, device offset) for a generation row."""
+        if not r.inflight:
+            return r.n_host - 1, 0
+        if r.inflight[-1] == r.last_ctx_step and self.sw.first_gen_prompt_boundary:
+            return r.prefill_len, 0
+        return r.n_host - 1 + W, r.prev_new_tokens - W
+
+    def gen_lengths(self, r: Request, W: int) -> dict:
+        cached_host, offset = self.host_view(r, W)
+        dev = cached_host + offset
+        assert dev == r.committed, (
+            f"req {r.rid}: host {cached_host} + offset {offset} != committed {r.committed}; "
+            "this is a bug in the overlap model")
+        base = dev if self.sw.overlap_correction else cached_host
+        L = base + W
+        kv_len_host = cached_host + W
+        logical = _cdiv(kv_len_host, self.B)
+        A = len(self.kv.blocks[r.rid])
+        nb = {"reserved": max(logical, A), "logical-host": logical,
+              "logical-device": _cdiv(L, self.B)}[self.sw.gen_table_width]
+        return {"cached_host": cached_host, "kv_len_host": kv_len_host, "L": L, "nb": nb,
+                "append": base, "nwrite": W + self.extra}
+
+    def ctx_lengths(self, start: int, chunk: int) -> dict:
+        L = start + chunk
+        return {"cached_host": start, "kv_len_host": L, "L": L, "nb": _cdiv(L, self.B),
+                "append": start, "nwrite": chunk}
+
+    def page_rows(self, reqs: list[Request],
+                  nbs: list[int]) -> tuple[list[tuple[int, ...]], list[int]]:
+        """Per-row page lists as the kernel sees them, and kv_indptr."""
+        if self.sw.backend == "xqa":  # block table: one row each, unallocated = -1
+            rows = []
+            for r, nb in zip(reqs, nbs, strict=True):
+                own = self.kv.blocks[r.rid][:nb]
+                rows.append(tuple(own) + (-1,) * (nb - len(own)))
+            return rows, [0] * len(reqs)
+        indptr = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
+        if indptr[-1] > len(self.flat):
+            self.flat = np.concatenate([self.flat, np.full(int(indptr[-1]), -1, np.int64)])
+        pos = 0
+        for r, nb in zip(reqs, nbs, strict=True):  # get_batch_cache_indices_flat truncates
+            own = self.kv.blocks[r.rid][:nb]
+            self.flat[pos:pos + len(own)] = own
+            pos += len(own)
+        rows = [tuple(int(x) for x in self.flat[indptr[i]:indptr[i + 1]]) for i in range(len(reqs))]
+        return rows, [int(x) for x in indptr[:-1]]
+
+    def kernel_len(self, L: int, nb: int) -> tuple[int, int]:
+        """(last_page_len, kv_len the kernel uses)."""
+        lpl = L - (_cdiv(L, self.B) - 1) * self.B
+        if self.sw.backend == "fa2":  # FA2 recomputes the length from the page count
+            return lpl, (nb - 1) * self.B + lpl
+        return lpl, L
+
+    def plan(self, gen_width: int, batch: int) -> tuple[int, int, int]:
+        """(plan_q_len, plan_batch, plan_cache_size) of the decode plan this step uses."""
+        key = {"fresh": None, "no-width": "decode", "per-batch": ("decode", batch, gen_width)}[
+            self.sw.plan_key]
+        if key is None:
+            return -1, batch, 1
+        if key in self.plans:
+            return self.plans[key], batch, len(self.plans)
+        self.plans[key] = gen_width
+        return -1, batch, len(self.plans)

@@ -1,0 +1,194 @@
+"""Serving metrics of one run, from its requests / steps / kv_series tables (docs/capacity.md).
+
+Latencies are over finished requests (finish_reason `length` or `max_seq_len`), in ms:
+TTFT = first_token − arrival, TPOT = (finish − first_token) / (outputs − 1) for requests with more
+than one output, end-to-end = finish − arrival, queueing = first scheduled − arrival (from the rows
+table when there is one, else first token − arrival: `queue_source` says which). Throughput and
+goodput divide by the span from the first arrival to the last finish. KV figures are
+time-weighted over the step series: each sample holds until the next launch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from sim.errors import TraceError
+
+PCTS = (50, 90, 99)
+Metrics = dict[str, float | int | str]
+
+
+def _col(t: pa.Table, name: str) -> np.ndarray:
+    return t.column(name).to_numpy()
+
+
+def _pcts(prefix: str, ms: np.ndarray) -> Metrics:
+    nan = float("nan")
+    out: Metrics = {f"{prefix}_p{p}_ms": float(np.percentile(ms, p)) if len(ms) else nan
+                    for p in PCTS}
+    out[f"{prefix}_mean_ms"] = float(ms.mean()) if len(ms) else nan
+    return out
+
+
+def _time_weighted(t: np.ndarray, v: np.ndarray, end: int) -> float:
+    if len(t) == 0:
+        return 0.0
+    dt = np.diff(np.append(t, max(end, int(t[-1]))))
+    return float((v * dt).sum() / dt.sum()) if dt.sum() > 0 else float(v.mean())
+
+
+def first_sched_ns(rows: pa.Table, steps: pa.Table) -> dict[int, int]:
+    """Request → t_sched_ns of the first step that scheduled one of its rows."""
+    first = rows.group_by("request").aggregate([("step", "min")])
+    t_sched = dict(zip(_col(steps, "step").tolist(), _col(steps, "t_sched_ns").tolist(),
+                       strict=True))
+    return {int(r): int(t_sched[int(s)]) for r, s in
+            zip(_col(first, "request"), _col(first, "step_min"), strict=True)}
+
+
+def request_latencies(requests: pa.Table, first_sched: dict[int, int] | None = None
+                      ) -> dict[str, np.ndarray]:
+    """Per finished request, in ms: ttft, tpot (requests with > 1 output only), e2e, queue."""
+    done = requests.filter(pc.is_in(requests.column("finish_reason"),
+                                    pa.array(["length", "max_seq_len"])))
+    arr, first, fin = (_col(done, c).astype(np.int64)
+                       for c in ("arrival_ns", "first_token_ns", "finish_ns"))
+    n_out = pc.list_value_length(done.column("output_tokens")).to_numpy(zero_copy_only=False)
+    multi = n_out > 1
+    tpot = (fin[multi] - first[multi]) / (n_out[multi] - 1) / 1e6
+    if first_sched is not None:
+        sched = np.array([first_sched.get(int(r), f) for r, f in
+                          zip(_col(done, "request"), first, strict=True)], dtype=np.int64)
+    else:
+        sched = first
+    tpot_all = np.zeros(len(done))
+    tpot_all[multi] = tpot
+    return {"ttft": (first - arr) / 1e6, "tpot": tpot, "tpot_all": tpot_all,
+            "e2e": (fin - arr) / 1e6, "queue": (sched - arr) / 1e6}
+
+
+def compute_metrics(requests: pa.Table, steps: pa.Table, kv_series: pa.Table | None = None, *,
+                    num_blocks: int = 0, rows: pa.Table | None = None,
+                    slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None
+                    ) -> Metrics:
+    """All metrics of one run as a flat dict (one sweep row). `kv_series` defaults to the steps'
+    occupancy columns (no draft headroom then); `num_blocks` > 0 adds utilization fractions."""
+    first = first_sched_ns(rows, steps) if rows is not None and rows.num_rows else None
+    lat = request_latencies(requests, first)
+    m: Metrics = {"requests": requests.num_rows, "finished": len(lat["e2e"]),
+                  "rejected": int(pc.sum(pc.equal(requests.column("finish_reason"),
+                                                  "rejected")).as_py() or 0)}
+    for name in ("ttft", "tpot", "e2e", "queue"):
+        m |= _pcts(name, lat[name])
+    m["queue_source"] = "first_scheduled" if first is not None else "first_token"
+    m |= _throughput(requests, lat, slo_ttft_ms, slo_tpot_ms)
+    m |= _kv(steps, kv_series, num_blocks)
+    m |= _tokens(requests)
+    return m
+
+
+def _throughput(requests: pa.Table, lat: dict[str, np.ndarray], slo_ttft_ms: float | None,
+                slo_tpot_ms: float | None) -> Metrics:
+    fin = _col(requests, "finish_ns")
+    span_ns = int(fin.max() - _col(requests, "arrival_ns").min()) if requests.num_rows else 0
+    span = span_ns / 1e9 if span_ns > 0 else float("nan")
+    out_tok = int(pc.sum(pc.list_value_length(requests.column("output_tokens"))).as_py() or 0)
+    ok = np.ones(len(lat["e2e"]), dtype=bool)
+    if slo_ttft_ms is not None:
+        ok &= lat["ttft"] <= slo_ttft_ms
+    if slo_tpot_ms is not None:
+        ok &= lat["tpot_all"] <= slo_tpot_ms
+    n = requests.num_rows
+    return {"duration_s": span, "throughput_rps": len(ok) / span, "output_tps": out_tok / span,
+            "goodput_rps": int(ok.sum()) / span,
+            "slo_attainment": float(ok.sum() / n) if n else float("nan")}
+
+
+def _kv(steps: pa.Table, kv: pa.Table | None, num_blocks: int) -> Metrics:
+    if kv is None:
+        t, used = _col(steps, "t_launch_ns"), _col(steps, "blocks_used")
+        draft = np.zeros(len(t))
+    else:
+        t, used, draft = (_col(kv, c) for c in ("t_ns", "blocks_used", "blocks_reserved_draft"))
+    end = int(_col(steps, "t_dev_end_ns").max()) if steps.num_rows else 0
+    mean_used, mean_draft = _time_weighted(t, used, end), _time_weighted(t, draft, end)
+    m: Metrics = {"kv_blocks_mean": mean_used, "kv_blocks_peak": int(used.max(initial=0)),
+                  "draft_blocks_mean": mean_draft,
+                  "draft_blocks_peak": float(draft.max(initial=0.0)),
+                  "draft_frac_of_used": mean_draft / mean_used if mean_used else 0.0}
+    if num_blocks > 0:
+        m |= {"kv_util_mean": mean_used / num_blocks,
+              "kv_util_peak": float(used.max(initial=0)) / num_blocks}
+    return m
+
+
+def _tokens(requests: pa.Table) -> Metrics:
+    def total(c: str) -> int:
+        return int(pc.sum(requests.column(c)).as_py() or 0)
+
+    admitted = requests.filter(pc.not_equal(requests.column("finish_reason"), "rejected"))
+    prompt = int(pc.sum(admitted.column("prompt_len")).as_py() or 0)
+    reused = int(pc.sum(admitted.column("reused_tokens")).as_py() or 0)
+    steps, acc, prop = total("num_steps"), total("accepted_drafts"), total("proposed_drafts")
+    return {"prefix_hit_rate": reused / prompt if prompt else 0.0,
+            "acceptance_len": 1 + acc / steps if steps else 0.0,
+            "acceptance_rate": acc / prop if prop else 0.0,
+            "preemptions": total("num_preemptions")}
+
+
+def load_trace_tables(trace_dir: str | Path) -> tuple[dict, dict[str, pa.Table]]:
+    """(manifest, tables) of a trace directory. Raises TraceError naming what is missing."""
+    d = Path(trace_dir)
+    try:
+        from sim.trace import reader
+    except ImportError:  # the reader is optional: fall back to plain Parquet below
+        pass
+    else:
+        tr = reader.read_trace(d)
+        return dict(tr.manifest), {n: tr.tables[n] for n in ("steps", "rows", "requests")}
+    man = d / "manifest.json"
+    try:
+        manifest = json.loads(man.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TraceError(f"{man}: not a trace (no readable manifest.json: {e})") from None
+    if not manifest.get("complete"):
+        raise TraceError(f"{man}: trace is incomplete (no 'complete': true)")
+    tables = {}
+    for name in ("steps", "rows", "requests"):
+        try:
+            tables[name] = pq.read_table(d / f"{name}.parquet")
+        except (OSError, pa.ArrowException) as e:
+            raise TraceError(f"{d / f'{name}.parquet'}: cannot read: {e}") from None
+    return manifest, tables
+
+
+def trace_metrics(trace_dir: str | Path, slo_ttft_ms: float | None = None,
+                  slo_tpot_ms: float | None = None) -> Metrics:
+    """Metrics of a trace directory (KV draft headroom recomputed from its rows table)."""
+    manifest, t = load_trace_tables(trace_dir)
+    model = manifest.get("model", {})
+    kv = kv_series_from_rows(t["steps"], t["rows"], int(model.get("tokens_per_block", 1)))
+    return compute_metrics(t["requests"], t["steps"], kv,
+                           num_blocks=int(model.get("num_blocks", 0)), rows=t["rows"],
+                           slo_ttft_ms=slo_ttft_ms, slo_tpot_ms=slo_tpot_ms)
+
+
+def kv_series_from_rows(steps: pa.Table, rows: pa.Table, tokens_per_block: int) -> pa.Table:
+    """The kv_series `sim.api.run` returns, rebuilt from a trace: reserved beyond what the step
+    commits (reserved − committed − new_tokens, summed per step, in blocks)."""
+    spare = pc.subtract(pc.subtract(rows.column("reserved"), rows.column("committed")),
+                        rows.column("new_tokens"))
+    per = pa.table({"step": rows.column("step"), "spare": spare}).group_by("step").aggregate(
+        [("spare", "sum")])
+    by_step = dict(zip(_col(per, "step").tolist(), _col(per, "spare_sum").tolist(), strict=True))
+    draft = [by_step.get(s, 0) / tokens_per_block for s in _col(steps, "step").tolist()]
+    return pa.table({"t_ns": steps.column("t_launch_ns"),
+                     "blocks_used": steps.column("blocks_used"),
+                     "blocks_reserved_draft": pa.array(draft, pa.float64()),
+                     "blocks_cached": steps.column("blocks_cached")})

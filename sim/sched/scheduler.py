@@ -1,0 +1,157 @@
+"""Scheduler (policy): FCFS admission, batch/token budgets, chunked prefill, capacity policies.
+
+It decides who runs in the next step and asks the KV manager for the slots (check-then-commit);
+it never touches the free queue. Generation rows are scheduled before context rows (TRT-LLM).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from sim.config import Scenario
+from sim.kv import KVManager
+from sim.profiles import Switches
+from sim.request import Request, State
+from sim.trace.records import Violation
+
+
+@dataclass(slots=True)
+class Batch:
+    ctx: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, start, chunk)
+    gen: list[tuple[Request, int]] = field(default_factory=list)  # (req, runtime draft len)
+
+    def __len__(self) -> int:
+        return len(self.ctx) + len(self.gen)
+
+
+class Scheduler:
+    def __init__(self, sc: Scenario, sw: Switches, kv: KVManager, overlap: bool) -> None:
+        self.sc, self.sw, self.kv = sc, sw, kv
+        self.B = sc.cache.tokens_per_block
+        self.D = sc.spec.depth
+        self.extra = sc.spec.extra_kv_tokens if sc.spec.mode == "mtp" else 0
+        self.overlap = overlap
+        self.max_pos = min(sc.model.max_position_embeddings, sc.blocks_per_seq * self.B)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.violations: list[Violation] = []
+
+    # -- sizes ------------------------------------------------------------------------------
+    @property
+    def gen_reserve(self) -> int:
+        """Slots reserved per generation step: the token, D draft placeholders (+ draft KV)."""
+        return 1 + self.D + (self.extra if self.sw.reserve_extra_kv else 0)
+
+    def reach_headroom(self) -> int:
+        """Slots a request can hold past its final length: the step in flight and this one."""
+        per = self.D + self.extra
+        return 2 * per if self.overlap else per
+
+    def blocks_to_completion(self, r: Request, headroom: int) -> int:
+        left = r.output_len - r.outputs_done_at_admit()
+        total = min(r.prefill_len + left, self.sc.limits.max_seq_len)
+        return -(-(total + headroom) // self.B)
+
+    def draft_len(self, r: Request, step: int) -> int:
+        lens = self.sc.spec.runtime_draft_lens
+        d = min(lens[step % len(lens)], self.D) if lens and self.D else self.D
+        if not self.sw.draft_clamp:
+            return d
+        # Host upper bound on the device's committed count: the in-flight step may accept all.
+        committed_max = r.n_host - 1 + (self.gen_reserve if r.inflight else 0)
+        return min(d, self.max_pos - committed_max - self.extra - 1)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self, step: int) -> Batch:
+        batch = Batch()
+        budget = self.sc.scheduler.max_num_tokens
+        for r in list(self.running):
+            if len(batch) >= self.sc.scheduler.max_batch_size:
+                break
+            if r.state != State.GENERATION or r.finished or r.pausing:
+                continue
+            d = self.draft_len(r, step)
+            if d < 0 or 1 + d > budget:
+                continue
+            if self._reserve_gen(r, step):
+                batch.gen.append((r, d))
+                budget -= 1 + d
+        self._schedule_context(batch, budget, step)
+        return batch
+
+    def _reserve_gen(self, r: Request, step: int) -> bool:
+        while not self.kv.reserve(r.rid, self.gen_reserve):
+            if self.sc.scheduler.policy == "guaranteed-no-evict":
+                # Admission promised this fits; it does not (under-reserved headroom). The engine
+                # launches anyway, as TRT-LLM would, and I1 reports the overrun.
+                return True
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is r:
+                return False
+        return True
+
+    def _schedule_context(self, batch: Batch, budget: int, step: int) -> None:
+        limit = self.sc.scheduler.max_batch_size
+        for r in self.running:
+            if r.state == State.CONTEXT and not r.pausing and len(batch) < limit and budget > 0:
+                budget -= self._chunk(batch, r, budget)
+        while self.waiting and len(batch) < limit and budget > 0:
+            r = self.waiting[0]
+            if not self._admit(r, step, budget):
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            budget -= self._chunk(batch, r, budget)
+
+    def _chunk(self, batch: Batch, r: Request, budget: int) -> int:
+        left = r.prefill_len - r.ctx_pos
+        cs = self.sc.scheduler.chunk_size or left
+        n = min(left, cs, budget)
+        if n < left and not self.sc.scheduler.chunk_size:
+            return 0
+        batch.ctx.append((r, r.ctx_pos, n))
+        r.ctx_pos += n
+        return n
+
+    def _admit(self, r: Request, step: int, budget: int) -> bool:
+        if not self.sc.scheduler.chunk_size and r.prefill_len > budget:
+            return False
+        match, hit = self.kv.match(r.tokens, r.prefill_len)
+        if self.sc.scheduler.policy == "guaranteed-no-evict" and not self._gne_fits(r, step):
+            return False
+        if not self.kv.admit(r.rid, match, r.prefill_len):
+            return False
+        r.state, r.ctx_pos, r.committed = State.CONTEXT, hit, hit
+        r.reused_tokens = max(r.reused_tokens, hit)
+        return True
+
+    def _gne_fits(self, r: Request, step: int) -> bool:
+        true_head = self.reach_headroom()
+        head = true_head if self.sw.gne_spec_headroom else 0
+        promised = sum(max(0, self.blocks_to_completion(q, head) - len(self.kv.blocks[q.rid]))
+                       for q in self.running if self.kv.holds(q.rid))
+        need = self.blocks_to_completion(r, head)
+        if need > self.kv.pool.num_free - promised:
+            return False
+        if head < true_head:
+            full = self.blocks_to_completion(r, true_head)
+            self.violations.append(Violation(
+                "I19", step, r.rid,
+                f"I19 step {step} req {r.rid}: guaranteed-no-evict admitted with {need} blocks to "
+                f"completion, but spec/overlap headroom of {true_head} slots needs {full}"))
+        return True
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def preempt(self, r: Request) -> None:
+        """Pause r and recompute it later; its blocks go when no step of it is in flight."""
+        r.pausing = True
+        r.num_preemptions += 1
+
+    def requeue(self, r: Request) -> None:
+        self.running.remove(r)
+        r.state, r.pausing, r.freed = State.WAITING, False, False
+        r.prefill_len, r.ctx_pos, r.committed = r.n_host, 0, 0
+        r.prev_new_tokens, r.last_ctx_step = -1, -1
+        self.waiting.appendleft(r)

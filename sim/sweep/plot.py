@@ -1,0 +1,52 @@
+"""DIR/sweep.png: the sweep's headline metric against its first grid key, one line per combination
+of the other keys. Skipped (None) when matplotlib is not installed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pyarrow as pa
+
+from sim.sweep.spec import SweepSpec
+
+
+def headline(spec: SweepSpec) -> str:
+    return "max_qps" if spec.search is not None else "goodput_rps"
+
+
+def plot_sweep(table: pa.Table, spec: SweepSpec, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    y = headline(spec)
+    keys = [f"grid.{k}" for k in spec.grid]
+    rows = table.to_pylist()
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    if not keys:
+        ax.bar(["base"], [rows[0][y]])
+    else:
+        series: dict[str, list[tuple]] = {}
+        for r in rows:
+            label = ", ".join(f"{k[5:]}={r[k]}" for k in keys[1:]) or y
+            series.setdefault(label, []).append((r[keys[0]], r[y]))
+        for label, pts in series.items():
+            xs = [str(x) for x, _ in pts]
+            ax.plot(xs, [v for _, v in pts], marker="o", label=label)
+        ax.set_xlabel(keys[0][5:])
+        ax.legend(fontsize=7)
+    slo = spec.slo
+    ax.set_ylabel(y)
+    ax.set_title(f"{y} (SLO p99 TTFT ≤ {slo.ttft_p99_ms} ms, TPOT ≤ {slo.tpot_p99_ms} ms)",
+                 fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,106 @@
+"""The sweep file: a base scenario, a grid of dotted field paths → values, an optional search.
+
+    base = "llama8b_h200_base.toml"          # relative to this file
+    [slo]                                    # goodput, and the search's pass criterion
+    ttft_p99_ms = 500
+    tpot_p99_ms = 10
+    [grid]
+    "spec.max_draft_len" = [1, 2, 3]
+    "overlap.enabled" = [true, false]
+    [search]                                 # max QPS under the SLO, per grid point
+    param = "workload.synthetic.qps"
+    lo = 1.0
+    hi = 64.0
+    iters = 6
+"""
+
+from __future__ import annotations
+
+import itertools
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sim.errors import ScenarioError
+
+_STRICT = ConfigDict(extra="forbid", frozen=True)
+
+
+class Slo(BaseModel):
+    model_config = _STRICT
+    ttft_p99_ms: float | None = Field(default=None, gt=0)
+    tpot_p99_ms: float | None = Field(default=None, gt=0)
+
+
+class Search(BaseModel):
+    model_config = _STRICT
+    param: str = "workload.synthetic.qps"
+    lo: float = Field(0.5, gt=0)
+    hi: float = Field(64.0, gt=0)
+    iters: int = Field(6, ge=1, le=30)  # bisection steps (in log space) after the two ends
+
+    @model_validator(mode="after")
+    def _order(self) -> Search:
+        if self.lo >= self.hi:
+            raise ValueError(f"search.lo ({self.lo}) must be < search.hi ({self.hi})")
+        return self
+
+
+class SweepSpec(BaseModel):
+    model_config = _STRICT
+    base: str
+    grid: dict[str, list[Any]] = {}
+    slo: Slo = Slo()
+    search: Search | None = None
+
+    @model_validator(mode="after")
+    def _grid(self) -> SweepSpec:
+        for k, v in self.grid.items():
+            if not v:
+                raise ValueError(f"grid.{k}: needs at least one value")
+        if self.search is not None and self.search.param in self.grid:
+            raise ValueError(f"grid.{self.search.param}: is the search parameter")
+        if self.search is not None and not (self.slo.ttft_p99_ms or self.slo.tpot_p99_ms):
+            raise ValueError("slo: a search needs slo.ttft_p99_ms and/or slo.tpot_p99_ms")
+        return self
+
+    def points(self) -> list[dict[str, Any]]:
+        """Every grid combination, first key slowest, in file order."""
+        keys = list(self.grid)
+        return [dict(zip(keys, vals, strict=True)) for vals in
+                itertools.product(*(self.grid[k] for k in keys))]
+
+
+def load_sweep(path: str | Path) -> tuple[SweepSpec, Path]:
+    """Read and validate a sweep file; returns it and the base scenario's absolute path."""
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise ScenarioError(f"{p}: cannot read sweep: {e.strerror or e}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"{p}: invalid TOML: {e}") from None
+    try:
+        spec = SweepSpec.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        raise ScenarioError(f"{p}: {loc}: {msg}" if loc else f"{p}: {msg}") from None
+    return spec, (p.resolve().parent / spec.base)
+
+
+def set_path(d: dict, dotted: str, value: Any, source: str) -> None:
+    """Set `a.b.c` in a nested scenario dict, creating missing tables (the scenario's validation
+    then rejects unknown names); a value in the way of a table is an error."""
+    *parents, leaf = dotted.split(".")
+    node = d
+    for i, key in enumerate(parents):
+        nxt = node.setdefault(key, {})
+        if not isinstance(nxt, dict):
+            where = ".".join(parents[: i + 1])
+            raise ScenarioError(f"{source}: grid.{dotted}: {where} is a value, not a table")
+        node = nxt
+    node[leaf] = value

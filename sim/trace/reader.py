@@ -1,0 +1,136 @@
+"""Read a trace directory back (docs/trace.md), refusing anything that is not a whole trace.
+
+`table_digest` is THE content digest of a trace: the writer imports it too, so both sides hash
+the same canonical bytes (Arrow IPC of each table cast to its fixed schema, one batch each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sim.errors import TraceError
+from sim.trace.records import (
+    FORMAT_VERSION,
+    BlockEvent,
+    RowRecord,
+    StepRecord,
+)
+from sim.trace.schema import RECORDS, SCHEMAS, TABLES  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    path: Path
+    manifest: dict[str, Any]
+    tables: dict[str, pa.Table]  # name -> table in its fixed schema
+
+
+def table_digest(tables: list[pa.Table]) -> str:
+    """sha256 hex over the tables in TABLES order (steps, rows, requests, blocks, violations).
+
+    Each table is cast to its fixed schema and serialized as one Arrow IPC batch, so column
+    names, types and values count, and chunking, column order and metadata do not.
+    """
+    h = hashlib.sha256()
+    for name, table in zip(TABLES, tables, strict=True):
+        schema = SCHEMAS[name]
+        t = _conform(table, schema, name)
+        batch = pa.RecordBatch.from_arrays([c.combine_chunks() for c in t.columns], schema=schema)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as writer:
+            writer.write_batch(batch)
+        h.update(sink.getvalue().to_pybytes())
+    return h.hexdigest()
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read and validate a trace directory. Raises TraceError naming the file and the problem."""
+    root = Path(path)
+    if not root.is_dir():
+        raise TraceError(f"{root}: trace directory does not exist")
+    manifest = _read_manifest(root / "manifest.json")
+    tables = {name: _read_table(root / f"{name}.parquet", name) for name in TABLES}
+    for name, t in tables.items():
+        want = manifest.get("counts", {}).get(name)
+        if want is not None and want != t.num_rows:
+            raise TraceError(f"{root / f'{name}.parquet'}: {t.num_rows} rows but manifest "
+                             f"counts.{name} is {want}")
+    got = table_digest([tables[n] for n in TABLES])
+    if got != manifest.get("digest"):
+        raise TraceError(f"{root}: digest mismatch: manifest.json says {manifest.get('digest')}, "
+                         f"the tables hash to {got}")
+    return Trace(root, manifest, tables)
+
+
+def _read_manifest(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        raise TraceError(f"{file} is missing: not a trace, or one whose writing never finished")
+    try:
+        manifest = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise TraceError(f"{file} is not valid JSON ({e}): a partial write?") from e
+    if not isinstance(manifest, dict) or manifest.get("complete") is not True:
+        raise TraceError(f"{file} lacks \"complete\": true: the trace was not finished")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise TraceError(f"{file}: format_version {manifest.get('format_version')!r}, this "
+                         f"kvsim reads {FORMAT_VERSION}")
+    model = manifest.get("model")
+    if not isinstance(model, dict) or not {"tokens_per_block", "num_blocks"} <= model.keys():
+        raise TraceError(f"{file}: \"model\" must give tokens_per_block and num_blocks")
+    return manifest
+
+
+def _read_table(file: Path, name: str) -> pa.Table:
+    if not file.is_file():
+        raise TraceError(f"{file} is missing")
+    try:
+        table = pq.read_table(file)
+    except (OSError, pa.ArrowException) as e:
+        raise TraceError(f"{file} is unreadable (truncated or corrupt): {e}") from e
+    return _conform(table, SCHEMAS[name], str(file))
+
+
+def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
+    missing = [n for n in schema.names if n not in table.column_names]
+    if missing:
+        raise TraceError(f"{where} lacks columns {missing}")
+    try:
+        return table.select(schema.names).cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:
+        raise TraceError(f"{where}: columns do not fit the format's types: {e}") from e
+
+
+def records(trace: Trace, name: str) -> list[Any]:
+    """The rows of one table as its frozen records (list columns become tuples)."""
+    cls, t = RECORDS[name], trace.tables[name]
+    cols = [t.column(f).to_pylist() for f in t.column_names]
+    for i, f in enumerate(t.schema):
+        if pa.types.is_list(f.type):
+            cols[i] = [tuple(x) for x in cols[i]]
+    return [cls(*vals) for vals in zip(*cols, strict=True)]
+
+
+def iter_records(trace: Trace) -> Iterator[BlockEvent | tuple[StepRecord, list[RowRecord]]]:
+    """Records in checker call order: per step k, its sched events, (step, rows), its proc events.
+
+    Events of a step with no step record (e.g. after the last launch) keep their place by step.
+    """
+    by_step: dict[int, list[RowRecord]] = {}
+    for row in records(trace, "rows"):
+        by_step.setdefault(row.step, []).append(row)
+    items: list[tuple[tuple[int, int, int], BlockEvent | tuple[StepRecord, list[RowRecord]]]]
+    items = [((s.step, 1, 0), (s, sorted(by_step.get(s.step, []), key=lambda r: r.row)))
+             for s in records(trace, "steps")]
+    items += [((e.step, 0 if e.phase == "sched" else 2, e.seq), e)
+              for e in records(trace, "blocks")]
+    items.sort(key=lambda kv: kv[0])
+    for _key, item in items:
+        yield item

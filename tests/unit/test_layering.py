@@ -1,0 +1,56 @@
+"""Import rules (STYLE.md): arrows point forward; kv/sched are pure; the simulator never imports
+torch; gpu_backend depends on the trace format, never on the scheduler's internals."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imports(folder: str) -> dict[str, set[str]]:
+    out = {}
+    for f in (ROOT / folder).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names.add(node.module)
+        out[str(f.relative_to(ROOT))] = names
+    return out
+
+
+def test_kv_and_sched_are_pure_synchronous_python():
+    for folder in ("sim/kv", "sim/sched"):
+        for f, names in imports(folder).items():
+            bad = {n for n in names if n.split(".")[0] in ("simpy", "torch", "flashinfer")}
+            assert not bad, f"{f} imports {bad}"
+
+
+def test_kv_does_not_depend_on_later_stages():
+    for f, names in imports("sim/kv").items():
+        later = {n for n in names if n.startswith(("sim.sched", "sim.executor", "sim.engine",
+                                                   "sim.check", "sim.api"))}
+        assert not later, f"{f} imports {later}"
+
+
+def test_simpy_only_where_time_lives():
+    for f, names in imports("sim").items():
+        if "simpy" in names:
+            assert f == "sim/engine.py", f"{f} imports simpy"
+
+
+def test_gpu_backend_never_reaches_into_the_scheduler():
+    for f, names in imports("gpu_backend").items():
+        bad = {n for n in names if n.startswith(("sim.sched", "sim.kv", "sim.engine",
+                                                 "sim.executor"))}
+        assert not bad, f"{f} imports {bad}"
+
+
+def test_running_the_simulator_never_imports_torch():
+    code = ("import sys, sim.api, sim.cli, sim.check; "
+            "assert 'torch' not in sys.modules, 'torch imported'; print('ok')")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr

@@ -1,0 +1,113 @@
+"""read_trace refuses anything that is not a whole trace; check_trace replays a good one."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_check_support import MODEL, Events, ctx, gen, step
+
+from sim.check.offline import check_trace
+from sim.errors import TraceError
+from sim.trace.reader import SCHEMAS, TABLES, iter_records, read_trace, table_digest
+
+
+def _table(name: str, recs: list) -> pa.Table:
+    cols = {f: [getattr(r, f) for r in recs] for f in SCHEMAS[name].names}
+    return pa.table({k: [list(x) if isinstance(x, tuple) else x for x in v]
+                     for k, v in cols.items()}, schema=SCHEMAS[name])
+
+
+def _records() -> dict[str, list]:
+    ev = Events()
+    blocks = [ev(0, "alloc", 1, 0, 1), ev(0, "alloc", 2, 0, 1),
+              ev(0, "done", -1, -1, 0, phase="proc", src=0),
+              ev(1, "done", -1, -1, 0, phase="proc", src=1),
+              ev(1, "free", 2, 0, 0, phase="proc"), ev(1, "free", 1, 0, 0, phase="proc")]
+    return {"steps": [step(0, backend="xqa"), step(1, backend="xqa")],
+            "rows": [ctx(), gen()], "requests": [], "blocks": blocks, "violations": []}
+
+
+def write(root: Path, recs: dict[str, list] | None = None, **manifest: object) -> Path:
+    recs = recs or _records()
+    tables = {n: _table(n, recs[n]) for n in TABLES}
+    root.mkdir()
+    for n, t in tables.items():
+        pq.write_table(t, root / f"{n}.parquet")
+    man = {"format_version": 1, "kvsim_version": "0.1.0", "model": MODEL, "seed": 0,
+           "counts": {n: t.num_rows for n, t in tables.items()}, "violations": 0,
+           "digest": table_digest([tables[n] for n in TABLES]), "complete": True}
+    man.update(manifest)
+    (root / "manifest.json").write_text(json.dumps(man))
+    return root
+
+
+def test_a_good_trace_reads_and_replays_clean(tmp_path: Path) -> None:
+    root = write(tmp_path / "t")
+    trace = read_trace(root)
+    kinds = [type(x).__name__ for x in iter_records(trace)]
+    assert kinds == ["BlockEvent", "BlockEvent", "tuple", "BlockEvent", "tuple", "BlockEvent",
+                     "BlockEvent", "BlockEvent"]
+    assert check_trace(root) == []
+
+
+def test_replay_reports_what_the_records_show(tmp_path: Path) -> None:
+    recs = _records()
+    recs["rows"][1] = gen(reserved=7)
+    out = check_trace(write(tmp_path / "t", recs))
+    assert [v.message for v in out] == ["I1 step 1 req 0: reservation C=7 does not cover "
+                                        "committed 6 + q_len 2 = 8"]
+
+
+def test_digest_ignores_chunking_but_not_values() -> None:
+    t = _table("steps", [step(0), step(1)])
+    empty = [_table(n, []) for n in TABLES[1:]]
+    chunked = pa.concat_tables([t.slice(0, 1), t.slice(1)])
+    assert table_digest([t, *empty]) == table_digest([chunked, *empty])
+    other = _table("steps", [step(0), step(2)])
+    assert table_digest([t, *empty]) != table_digest([other, *empty])
+
+
+@pytest.mark.parametrize("breakage, message", [
+    ("nodir", "trace directory does not exist"),
+    ("nomanifest", "manifest.json is missing: not a trace, or one whose writing never finished"),
+    ("partial", "manifest.json lacks \"complete\": true: the trace was not finished"),
+    ("version", "manifest.json: format_version 2, this kvsim reads 1"),
+    ("notable", "rows.parquet is missing"),
+    ("truncated", "rows.parquet is unreadable (truncated or corrupt)"),
+    ("column", "rows.parquet lacks columns ['pages']"),
+    ("count", "rows.parquet: 2 rows but manifest counts.rows is 3"),
+    ("digest", "digest mismatch: manifest.json says 00, the tables hash to"),
+])
+def test_refusals(tmp_path: Path, breakage: str, message: str) -> None:
+    root = tmp_path / "t"
+    if breakage != "nodir":
+        write(root, **{"partial": {"complete": False}, "version": {"format_version": 2},
+                       "count": {"counts": {"rows": 3}}, "digest": {"digest": "00"}}
+              .get(breakage, {}))
+    man = root / "manifest.json"
+    if breakage == "nomanifest":
+        man.unlink()
+    elif breakage == "notable":
+        (root / "rows.parquet").unlink()
+    elif breakage == "truncated":
+        data = (root / "rows.parquet").read_bytes()
+        (root / "rows.parquet").write_bytes(data[: len(data) // 2])
+    elif breakage == "column":
+        pq.write_table(pq.read_table(root / "rows.parquet").drop_columns(["pages"]),
+                       root / "rows.parquet")
+    with pytest.raises(TraceError) as err:
+        read_trace(root)
+    assert message in str(err.value)
+    assert str(root) in str(err.value)
+
+
+def test_records_round_trip(tmp_path: Path) -> None:
+    trace = read_trace(write(tmp_path / "t"))
+    launches = [x for x in iter_records(trace) if isinstance(x, tuple)]
+    assert launches[1] == (step(1, backend="xqa"), [gen()])
+    assert dataclasses.asdict(launches[0][1][0]) == dataclasses.asdict(ctx())

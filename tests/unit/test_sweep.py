@@ -1,0 +1,131 @@
+"""Sweeps: grid expansion, validation errors, content-hash caching and resume, the QPS search."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+from sim.errors import ScenarioError
+from sim.sweep.cache import ResultCache, content_key
+from sim.sweep.spec import SweepSpec, load_sweep, set_path
+
+try:
+    import sim.api  # noqa: F401
+
+    HAVE_API = True
+except ImportError:
+    HAVE_API = False
+needs_api = pytest.mark.skipif(not HAVE_API, reason="sim.api (engine, workload) not importable")
+
+BASE = """
+seed = 3
+[cache]
+tokens_per_block = 16
+num_blocks = 200
+[scheduler]
+max_batch_size = 8
+[spec]
+mode = "mtp"
+max_draft_len = 2
+acceptance = { kind = "rates", rates = [0.8, 0.5] }
+[limits]
+max_seq_len = 1024
+[workload.synthetic]
+num_requests = 12
+qps = 20.0
+prompt_len = { kind = "uniform", min = 20, max = 80 }
+output_len = { kind = "uniform", min = 4, max = 16 }
+[cost]
+step_base_ns = 1_000_000
+host_base_ns = 500_000
+"""
+
+
+def write(tmp_path, grid: str, extra: str = "") -> tuple[SweepSpec, object]:
+    (tmp_path / "base.toml").write_text(BASE)
+    (tmp_path / "s.toml").write_text(f'base = "base.toml"\n{extra}\n[grid]\n{grid}\n')
+    return load_sweep(tmp_path / "s.toml")
+
+
+def test_points_in_file_order(tmp_path) -> None:
+    spec, base = write(tmp_path, '"spec.max_draft_len" = [1, 2]\n"overlap.enabled" = [true, false]')
+    assert base == (tmp_path / "base.toml").resolve()
+    assert spec.points() == [
+        {"spec.max_draft_len": 1, "overlap.enabled": True},
+        {"spec.max_draft_len": 1, "overlap.enabled": False},
+        {"spec.max_draft_len": 2, "overlap.enabled": True},
+        {"spec.max_draft_len": 2, "overlap.enabled": False}]
+
+
+def test_sweep_file_errors_name_the_field(tmp_path) -> None:
+    with pytest.raises(ScenarioError, match=r"s.toml: grid.spec.max_draft_len: needs at least"):
+        write(tmp_path, '"spec.max_draft_len" = []')
+    with pytest.raises(ScenarioError, match=r"s.toml: search: Value|slo: a search needs"):
+        write(tmp_path, '"overlap.enabled" = [true]', "[search]\nlo = 1.0")
+    with pytest.raises(ScenarioError, match="cannot read sweep"):
+        load_sweep(tmp_path / "missing.toml")
+
+
+def test_set_path() -> None:
+    d = {"spec": {"max_draft_len": 1}}
+    set_path(d, "spec.max_draft_len", 3, "x")
+    assert d == {"spec": {"max_draft_len": 3}}
+    set_path(d, "cache.num_blocks", 9, "x")
+    assert d == {"spec": {"max_draft_len": 3}, "cache": {"num_blocks": 9}}
+    with pytest.raises(ScenarioError, match="grid.spec.max_draft_len.x: spec.max_draft_len is a"):
+        set_path(d, "spec.max_draft_len.x", 1, "x")
+
+
+def test_cache_is_content_addressed_and_atomic(tmp_path) -> None:
+    k1 = content_key({"a": 1, "b": {"c": 2}}, "0.1.0", "/x")
+    assert k1 == content_key({"b": {"c": 2}, "a": 1}, "0.1.0", "/x")  # key order is irrelevant
+    assert k1 != content_key({"a": 1, "b": {"c": 2}}, "0.1.1", "/x")  # a new version reruns
+    c = ResultCache(tmp_path)
+    assert c.get(k1) is None
+    c.put(k1, {"x": 1.5})
+    assert c.get(k1) == {"x": 1.5}
+    assert [p.name for p in c.path(k1).parent.iterdir()] == [f"{k1}.json"]
+
+
+@needs_api
+def test_run_delete_one_rerun_recomputes_one(tmp_path) -> None:
+    from sim.sweep import run_sweep
+
+    spec, base = write(tmp_path, '"spec.max_draft_len" = [1, 2]\n"overlap.enabled" = [true, false]')
+    out = tmp_path / "out"
+    first = run_sweep(spec, base, out, workers=1)
+    assert (first.computed, first.cached) == (4, 0)
+    table = pq.read_table(out / "results.parquet")
+    assert table.column("grid.spec.max_draft_len").to_pylist() == [1, 1, 2, 2]
+    assert all(v > 0 for v in table.column("throughput_rps").to_pylist())
+    entries = sorted((out / "cache").glob("*/*.json"))
+    assert len(entries) == 4
+    entries[2].unlink()
+    again = run_sweep(spec, base, out, workers=2)  # spawn pool: tasks must pickle
+    assert (again.computed, again.cached) == (1, 3)
+    assert pq.read_table(out / "results.parquet").equals(table)
+
+
+@needs_api
+def test_grid_value_errors_name_the_point(tmp_path) -> None:
+    from sim.sweep import run_sweep
+
+    spec, base = write(tmp_path, '"spec.max_draft_len" = [1, 999]')
+    with pytest.raises(ScenarioError, match=r"spec.max_draft_len=999.*spec.max_draft_len"):
+        run_sweep(spec, base, tmp_path / "out", workers=1)
+    assert not (tmp_path / "out" / "results.parquet").exists()
+
+
+@needs_api
+def test_search_brackets_max_qps(tmp_path) -> None:
+    from sim.sweep import run_sweep
+
+    search = "[slo]\nttft_p99_ms = 6\n[search]\nlo = 0.5\nhi = 500.0\niters = 4"
+    spec, base = write(tmp_path, '"overlap.enabled" = [true, false]', search)
+    res = run_sweep(spec, base, tmp_path / "out", workers=1)
+    rows = res.results.to_pylist()
+    for r in rows:
+        assert 0.5 <= r["max_qps"] < 500.0 and r["ttft_p99_ms"] <= 6
+    assert res.computed == 2 * (2 + 4)  # both ends, then 4 bisection steps per point
+    rerun = run_sweep(spec, base, tmp_path / "out", workers=1)
+    assert rerun.computed == 0 and rerun.results.equals(res.results)

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from sim.check import StepChecker
+from sim.check.registry import LAUNCH_ORDER
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
 from sim.profiles import Switches, resolve_profile
@@ -109,8 +110,7 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
         eng.run()
         if sink.checker is not None:
             sink.violations.extend(sink.checker.finish())
-        violations = sorted(eng.proc.violations + sink.violations,
-                            key=lambda v: (v.step, v.request, v.invariant))
+        violations = sorted(eng.proc.violations + sink.violations, key=_order)
         summary = _summary(eng, sink, violations)
         trace_dir = None
         if writer is not None:
@@ -125,6 +125,14 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
     return RunResult(summary, violations, _table("steps", sink.steps),
                      _table("requests", [astuple(r) for r in eng.proc.records]),
                      _kv_table(sink.kv), trace_dir, sw)
+
+
+_RANK = {inv: i for i, inv in enumerate(("I19", "LIVENESS") + LAUNCH_ORDER + ("I17", "I18"))}
+
+
+def _order(v: Violation) -> tuple[int, int, int]:
+    """Step first, then the checker's order, in which the first invariant is the root cause."""
+    return v.step, _RANK.get(v.invariant, len(_RANK)), v.request
 
 
 def _sw_dict(sw: Switches) -> dict:

@@ -126,7 +126,7 @@ class Engine:
         start = max(now, self.dev_free)
         end = start + self.cost.device_ns(q, kvl, ctx)
         self.dev_free = end
-        gen_w = max((r.q_len for r in rows if r.phase == "gen"), default=1)
+        gen_w = max((r.q_len for r in rows if r.phase == "gen"), default=0)
         plan = self.md.plan(gen_w, len(rows))
         pool = self.kv.pool
         rec = dict(step=k, t_sched_ns=t_sched, t_launch_ns=now, t_dev_start_ns=start,

@@ -43,6 +43,7 @@ class Request:
     num_preemptions: int = 0
     accepted_drafts: int = 0
     proposed_drafts: int = 0
+    late_finish: bool = False
     tokens_blocks: tuple[int, ...] = ()  # blocks held when freed (for the double-free fault)
 
     @property

@@ -45,7 +45,8 @@ class StepChecker:
 
     def launch(self, step: StepRecord, rows: Sequence[RowRecord]) -> list[Violation]:
         v = StepView(step, rows, self.m)
-        out = (check_plans(step, rows) + check_host_width(v, self.m) + self.own.launch(v)
+        out = (check_plans(step, rows, self.m.plan_cache_limit) + check_host_width(v, self.m)
+               + self.own.launch(v)
                + check_layout(v, self.m, self.own.refcount) + check_positions(v)
                + self.slots.launch(v))
         self.own.mark_launched(v)

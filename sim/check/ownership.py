@@ -101,10 +101,11 @@ class Ownership:
                 + self.i6_match(v) + self.pool_counts(v.step))
 
     def i1_reserved(self, v: StepView) -> list[Violation]:
-        c, q, res = v.col["committed"], v.col["q_len"], v.col["reserved"]
+        c, res = v.col["committed"], v.col["reserved"]
+        q = np.maximum(v.col["q_len"], np.diff(v.lay.append_ptr))  # extra draft KV counts
         need = ceil_div(res, self.m.B)
         out = row_violations("I1", v, c + q > res, lambda r: (
-            f"reservation C={res[r]} does not cover committed {c[r]} + q_len {q[r]} = "
+            f"reservation C={res[r]} does not cover committed {c[r]} + {q[r]} written = "
             f"{c[r] + q[r]}"))
         return out + row_violations("I1", v, need > v.n_alloc, lambda r: (
             f"reserved {res[r]} slots need {need[r]} blocks (B={self.m.B}) but "

@@ -35,17 +35,21 @@ def i8_kernel_len(v: StepView) -> list[Violation]:
 def i9_positions(v: StepView) -> list[Violation]:
     q = v.col["q_len"]
     n_app, n_rope = np.diff(v.lay.append_ptr), np.diff(v.rope_ptr)
-    out = row_violations("I9", v, (n_app != q) | (n_rope != q), lambda r: (
+    # A gen row may append the draft layers' extra KV past its q_len tokens (MTP-Eagle's own
+    # draft KV); those continue the same positions and have no RoPE entry of their own.
+    bad_len = (n_app < q) | (n_rope != q) | (~v.is_gen & (n_app != q))
+    out = row_violations("I9", v, bad_len, lambda r: (
         f"{n_app[r]} append positions and {n_rope[r]} RoPE positions for q_len {q[r]}"))
     row = np.repeat(np.arange(v.n), n_app)
     j = np.arange(len(row)) - v.lay.append_ptr[row]
     want = v.col["committed"][row] + j
     app = v.lay.append_pos
     # compare RoPE element-wise only where both lists have q_len entries
-    same = ((n_app == q) & (n_rope == q))[row]
+    ok_len = (~bad_len)[row]
+    same = ok_len & (j < q[row])
     rope = np.where(same, v.rope_pos[np.where(same, v.rope_ptr[row] + j, 0)]
                     if len(v.rope_pos) else -1, want)
-    first = first_in_row(same & ((app != want) | (rope != want)), row, v.n)
+    first = first_in_row(ok_len & ((app != want) | (rope != want)), row, v.n)
     return out + row_violations("I9", v, first >= 0, lambda r: (
         f"token {j[first[r]]}: append_pos {app[first[r]]}, rope_pos {rope[first[r]]}, expected "
         f"committed {v.col['committed'][r]} + {j[first[r]]} = {want[first[r]]}"))

@@ -24,11 +24,15 @@ class Model:
     B: int
     num_blocks: int
     null_block: bool
+    plan_cache_limit: int = 64
 
     @classmethod
     def from_dict(cls, model: dict) -> Model:
+        # A plan per query width (1..D+1) and one for prefill; more means the key grows with
+        # something else (the batch size, TRT-LLM #18557).
+        limit = int(model.get("max_draft_len", 62)) + 2
         return cls(int(model["tokens_per_block"]), int(model["num_blocks"]),
-                   bool(model.get("null_block", False)))
+                   bool(model.get("null_block", False)), limit)
 
 
 class StepView:

@@ -89,8 +89,8 @@ class MetadataBuilder:
         """(plan_q_len, plan_batch, plan_cache_size) of the decode plan this step uses."""
         key = {"fresh": None, "no-width": "decode", "per-batch": ("decode", batch, gen_width)}[
             self.sw.plan_key]
-        if key is None:
-            return -1, batch, 1
+        if key is None or gen_width == 0:  # fresh plans, or no decode rows: no decode plan
+            return -1, batch, max(1, len(self.plans))
         if key in self.plans:
             return self.plans[key], batch, len(self.plans)
         self.plans[key] = gen_width

@@ -86,6 +86,7 @@ class Processor:
 
     def _finish(self, r: Request, reason: str, now: int) -> None:
         r.finished, r.finish_reason, r.finish_ns = True, reason, now
+        r.late_finish = bool(r.inflight)  # a step launched before the host knew it was done
         r.state = State.FINISHED
 
     def _maybe_release(self, r: Request, now: int) -> None:
@@ -94,12 +95,14 @@ class Processor:
             return
         if r.freed:
             if not r.inflight and r.finished:
-                if not sw.single_free and r.rid in self.eng.requests:  # TRT-LLM #12816
-                    for b in r.tokens_blocks:
-                        self.eng.events.emit("free", b, r.rid, self.eng.kv.pool.refcount[b])
                 self.eng.requests.pop(r.rid, None)
             return
+        deferred = r.finished and r.late_finish
         self._free(r)
+        if deferred and not sw.single_free:
+            # TRT-LLM #12816: the in-flight step's response terminates the request once more.
+            for b in r.tokens_blocks:
+                self.eng.events.emit("free", b, r.rid, self.eng.kv.pool.refcount[b])
         if r.pausing and not r.finished:
             self.eng.sched.requeue(r)
 
@@ -113,7 +116,7 @@ class Processor:
         if r.finished:
             eng.sched.running.remove(r)
             self.records.append(self._record(r))
-            if not r.inflight and eng.sw.single_free:
+            if not r.inflight:
                 del eng.requests[r.rid]
 
     def after_schedule(self) -> None:

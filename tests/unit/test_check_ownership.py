@@ -9,7 +9,7 @@ def test_i1_reservation_does_not_cover_the_step() -> None:
     chk, _ev = prefilled("xqa")
     out = chk.launch(step(1, backend="xqa"), [gen(reserved=7)])
     assert only(out, "I1") == ["I1 step 1 req 0: reservation C=7 does not cover committed 6 + "
-                               "q_len 2 = 8"]
+                               "2 written = 8"]
     chk, _ev = prefilled("xqa")
     out = chk.launch(step(1, backend="xqa"), [gen(reserved=9)])
     assert only(out, "I1") == ["I1 step 1 req 0: reserved 9 slots need 3 blocks (B=4) but 2 "

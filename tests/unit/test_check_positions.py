@@ -59,7 +59,8 @@ def test_i14_plan_width_batch_and_cache_bound() -> None:
     assert only(out, "I14") == [
         "I14 step 1 req 0: plan built for q_len 1 used for a row of q_len 2",
         "I14 step 1: plan built for batch 2 used for 1 rows",
-        "I14 step 1: plan cache holds 65 plans (bound 64)"]
+        "I14 step 1: plan cache holds 65 plans (bound 64: one per query width and one for "
+        "prefill)"]
     chk, _ev = prefilled("xqa")
     assert chk.launch(step(1, backend="xqa", plan_q_len=2, plan_batch=1), [gen()]) == []
 

@@ -60,7 +60,7 @@ def test_replay_reports_what_the_records_show(tmp_path: Path) -> None:
     recs["rows"][1] = gen(reserved=7)
     out = check_trace(write(tmp_path / "t", recs))
     assert [v.message for v in out] == ["I1 step 1 req 0: reservation C=7 does not cover "
-                                        "committed 6 + q_len 2 = 8"]
+                                        "committed 6 + 2 written = 8"]
 
 
 def test_digest_ignores_chunking_but_not_values() -> None:

@@ -1,0 +1,45 @@
+"""`kvsim check TRACE_DIR`: re-check every invariant offline, from the trace alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from sim.cli.common import console, user_errors
+
+# Judged by the engine while it runs (they need its admission and host-side state, which the
+# trace does not carry); offline, the check reports what the trace recorded for them.
+ENGINE_SIDE = ("I18", "I19", "LIVENESS")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("check")(check_cmd)
+
+
+def check_cmd(
+    trace: Path = typer.Argument(..., help="Trace directory written by `kvsim run --out`."),
+    as_json: bool = typer.Option(False, "--json", help="Print violations as JSON lines."),
+    limit: int = typer.Option(20, help="Violations to print (text mode)."),
+) -> None:
+    """Re-check a trace. Exit 0: clean; 1: violations; 2: not a readable, complete trace."""
+    from sim.check.offline import check_trace
+    from sim.trace.reader import read_trace, records
+
+    with user_errors():
+        found = check_trace(trace)
+        recorded = [v for v in records(read_trace(trace), "violations")
+                    if v.invariant in ENGINE_SIDE]
+    found = sorted(found + recorded, key=lambda v: (v.step, v.request, v.invariant))
+    if as_json:
+        for v in found:
+            print(json.dumps({"invariant": v.invariant, "step": v.step, "request": v.request,
+                              "message": v.message}))
+    else:
+        for v in found[:limit]:
+            console.print(v.message, highlight=False, soft_wrap=True)
+        if len(found) > limit:
+            console.print(f"... and {len(found) - limit} more")
+        console.print(f"{trace}: {len(found)} violation(s)", highlight=False)
+    raise typer.Exit(1 if found else 0)

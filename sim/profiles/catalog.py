@@ -16,8 +16,7 @@ PROFILES: dict[str, Switches] = {
                                  gen_table_width="logical-host", backend="fa2",
                                  plan_key="no-width"),
     # vLLM v1: null block 0, LRU, FA2 CSR metadata built from device-side seq_lens.
-    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True,
-                        budget="vllm"),
+    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True),
 }
 
 

@@ -38,19 +38,14 @@ class Switches:
     single_free: bool = True
     # Partial reuse without copy only takes a block nobody else holds.
     nocopy_exclusive: bool = True
-    # Block pool layout.
+    # vLLM keeps block 0 as a never-allocated null block.
     null_block: bool = False
-    eviction: str = "lru"  # "lru" | "leaf-lru"
-    # Scheduling order of generation vs context rows' budgets: "trtllm" or "vllm".
-    budget: str = "trtllm"
 
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "gen_table_width": ("reserved", "logical-host", "logical-device"),
     "backend": ("xqa", "fa2", "fa3"),
     "plan_key": ("fresh", "no-width", "per-batch"),
-    "eviction": ("lru", "leaf-lru"),
-    "budget": ("trtllm", "vllm"),
 }
 
 

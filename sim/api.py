@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +16,7 @@ from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
 from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RowRecord, StepRecord, Violation
-from sim.trace.schema import SCHEMAS
+from sim.trace.schema import ROW_OF, SCHEMAS
 from sim.trace.writer import TraceWriter
 from sim.workload import iter_workload
 
@@ -63,7 +63,7 @@ class _Sink:
             self.writer.on_step(step, rows, events)
         if self.checker is not None:
             self._check(step, rows, events)
-        self.steps.append(astuple(step))
+        self.steps.append(ROW_OF["steps"](step))
         spare = sum(r.reserved - r.committed - r.new_tokens for r in rows) / self.B
         self.kv.append((step.t_launch_ns, step.blocks_used, spare, step.blocks_cached))
         if self.progress is not None and step.step % 2048 == 0:
@@ -106,7 +106,8 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
     writer = TraceWriter(out) if out is not None else None
     sink = _Sink(sc, writer, StepChecker(model) if check else None, on_progress)
     try:
-        eng = Engine(sc, sw, specs, sink, record_events=writer is not None or check)
+        detail = writer is not None or check
+        eng = Engine(sc, sw, specs, sink, record_events=detail, detail=detail)
         eng.run()
         if sink.checker is not None:
             sink.violations.extend(sink.checker.finish())
@@ -123,7 +124,7 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
             writer.abort()
         raise
     return RunResult(summary, violations, _table("steps", sink.steps),
-                     _table("requests", [astuple(r) for r in eng.proc.records]),
+                     _table("requests", [ROW_OF["requests"](r) for r in eng.proc.records]),
                      _kv_table(sink.kv), trace_dir, sw)
 
 

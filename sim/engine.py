@@ -41,7 +41,8 @@ class Launched:
 
 class Engine:
     def __init__(self, sc: Scenario, sw: Switches, specs: Iterator[RequestSpec],
-                 sink: Callable[..., None], record_events: bool = True) -> None:
+                 sink: Callable[..., None], record_events: bool = True,
+                 detail: bool = True) -> None:
         seeds = np.random.SeedSequence(sc.seed).spawn(3)
         self.sc, self.sw = sc, sw
         self.overlap = sc.overlap.enabled
@@ -58,6 +59,7 @@ class Engine:
         self.cost = build_cost_model(sc.cost)
         self.proc = Processor(self)
         self.specs = specs
+        self.detail = detail  # build page/token lists (someone reads them: trace or checker)
         self.sink = sink
         self.env = simpy.Environment()
         self.step = 0
@@ -117,7 +119,7 @@ class Engine:
 
     def _launch(self, batch: Batch, t_sched: int) -> Launched:
         k = self.step
-        rows = build_rows(k, batch, self.md, self.acc, self.sched.max_pos)
+        rows = build_rows(k, batch, self.md, self.acc, self.sched.max_pos, self.detail)
         self._flush()
         now = int(self.env.now)
         q = np.fromiter((r.q_len for r in rows), np.int64, len(rows))

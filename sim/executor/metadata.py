@@ -9,7 +9,7 @@ Generation row r of width W with its previous step in flight (DESIGN §3.4):
 
 from __future__ import annotations
 
-import numpy as np
+from itertools import accumulate
 
 from sim.kv import KVManager
 from sim.profiles import Switches
@@ -26,7 +26,7 @@ class MetadataBuilder:
         self.sw, self.kv, self.B, self.extra, self.max_pos = sw, kv, B, extra, max_pos
         # FlashInfer's flat kv_indices buffer: torch.empty in the engine, never cleared, so a
         # row that claims more pages than it copied reads what earlier steps left there.
-        self.flat = np.full(buffer_len, -1, dtype=np.int64)
+        self.flat: list[int] = [-1] * buffer_len
         self.plans: dict[object, int] = {}
 
     def host_view(self, r: Request, W: int) -> tuple[int, int]:
@@ -67,16 +67,17 @@ class MetadataBuilder:
                 own = self.kv.blocks[r.rid][:nb]
                 rows.append(tuple(own) + (-1,) * (nb - len(own)))
             return rows, [0] * len(reqs)
-        indptr = np.concatenate([[0], np.cumsum(nbs)]).astype(np.int64)
+        indptr = list(accumulate(nbs, initial=0))
         if indptr[-1] > len(self.flat):
-            self.flat = np.concatenate([self.flat, np.full(int(indptr[-1]), -1, np.int64)])
+            self.flat.extend([-1] * indptr[-1])
         pos = 0
         for r, nb in zip(reqs, nbs, strict=True):  # get_batch_cache_indices_flat truncates
             own = self.kv.blocks[r.rid][:nb]
             self.flat[pos:pos + len(own)] = own
             pos += len(own)
-        rows = [tuple(int(x) for x in self.flat[indptr[i]:indptr[i + 1]]) for i in range(len(reqs))]
-        return rows, [int(x) for x in indptr[:-1]]
+        flat = self.flat
+        rows = [tuple(flat[indptr[i]:indptr[i + 1]]) for i in range(len(reqs))]
+        return rows, indptr[:-1]
 
     def kernel_len(self, L: int, nb: int) -> tuple[int, int]:
         """(last_page_len, kv_len the kernel uses)."""

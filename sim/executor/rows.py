@@ -14,7 +14,9 @@ from sim.trace.records import RowRecord
 
 
 def build_rows(step: int, batch: Batch, md: MetadataBuilder, acc: Acceptance,
-               max_pos: int) -> list[RowRecord]:
+               max_pos: int, detail: bool = True) -> list[RowRecord]:
+    """The step's rows. `detail=False` (nobody reads pages or tokens: no trace, no checker)
+    leaves the list columns empty; lengths and the device truth are the same either way."""
     reqs: list[Request] = []
     lens: list[dict] = []
     meta: list[tuple[str, int, int]] = []  # (phase, q_len, draft_len)
@@ -26,14 +28,17 @@ def build_rows(step: int, batch: Batch, md: MetadataBuilder, acc: Acceptance,
         reqs.append(r)
         lens.append(md.gen_lengths(r, 1 + d))
         meta.append(("gen", 1 + d, d))
-    pages, indptr = md.page_rows(reqs, [x["nb"] for x in lens])
-    return [_row(step, i, r, lens[i], meta[i], pages[i], indptr[i], md, acc, max_pos)
+    if detail:
+        pages, indptr = md.page_rows(reqs, [x["nb"] for x in lens])
+    else:
+        pages, indptr = [()] * len(reqs), [0] * len(reqs)
+    return [_row(step, i, r, lens[i], meta[i], pages[i], indptr[i], md, acc, max_pos, detail)
             for i, r in enumerate(reqs)]
 
 
 def _row(step: int, i: int, r: Request, ln: dict, meta: tuple[str, int, int],
          pages: tuple[int, ...], indptr: int, md: MetadataBuilder, acc: Acceptance,
-         max_pos: int) -> RowRecord:
+         max_pos: int, detail: bool) -> RowRecord:
     phase, q, d = meta
     lpl, kv_len = md.kernel_len(ln["L"], ln["nb"])
     c = r.committed
@@ -42,20 +47,22 @@ def _row(step: int, i: int, r: Request, ln: dict, meta: tuple[str, int, int],
     if phase == "gen":
         a = acc.accepted(d, r.gen_steps, r.accept_scale)
         # slot c holds the newest known token; drafts i <= a are right, the rest are not.
-        toks = tuple(int(seq[c + j]) if j <= a else int(seq[c + j]) + 1 for j in range(n))
+        toks = tuple(int(seq[c + j]) if j <= a else int(seq[c + j]) + 1
+                     for j in range(n)) if detail else ()
         new = 1 + a
         first = bool(r.inflight) and r.inflight[-1] == r.last_ctx_step
     else:
         a, new, first = -1, q, False
-        toks = tuple(int(t) for t in seq[c:c + q])
+        toks = tuple(seq[c:c + q].tolist()) if detail else ()
     rec = RowRecord(
         step=step, row=i, request=r.rid, phase=phase, q_len=q, draft_len=d,
         first_gen=first, prev_in_flight=bool(r.inflight),
         pages=pages, kv_indptr=indptr, last_page_len=lpl, kv_len=kv_len,
-        append_pos=tuple(range(ln["append"], ln["append"] + n)),
-        rope_pos=tuple(range(c, c + q)),
+        append_pos=tuple(range(ln["append"], ln["append"] + n)) if detail else (),
+        rope_pos=tuple(range(c, c + q)) if detail else (),
         cached_host=ln["cached_host"], kv_len_host=ln["kv_len_host"],
-        committed=c, alloc=tuple(md.kv.blocks[r.rid]), reserved=md.kv.reserved[r.rid],
+        committed=c, alloc=tuple(md.kv.blocks[r.rid]) if detail else (),
+        reserved=md.kv.reserved[r.rid],
         shared_blocks=md.kv.shared[r.rid], tokens=toks, accepted=a, new_tokens=new,
         prev_new_tokens=r.prev_new_tokens if phase == "gen" else -1, max_pos=max_pos)
     r.committed = c + new

@@ -33,6 +33,7 @@ class BlockPool:
         self.block_tokens: dict[int, np.ndarray] = {}
         self.cached: dict[int, int] = {}  # hash -> block
         self.children: dict[int, list[int]] = {}  # parent hash -> cached blocks
+        self.num_cached_free = 0  # free blocks still holding hashed content (kept in step)
 
     @property
     def num_free(self) -> int:
@@ -46,17 +47,13 @@ class BlockPool:
     def num_used(self) -> int:
         return self.num_usable - len(self.free)
 
-    @property
-    def num_cached_free(self) -> int:
-        return sum(1 for b in self.free if b in self.block_hash)
-
     def allocate(self, n: int, request: int) -> list[int] | None:
         if n > len(self.free):
             return None
         out = []
         for _ in range(n):
             b, _v = self.free.popitem(last=False)  # LRU head: least recently freed
-            if b in self.block_hash:
+            if b in self.block_hash:  # uncache() below drops it from num_cached_free
                 self.events.emit("evict", b, -1, 0, hash_=self.block_hash[b])
                 self.uncache(b)
             self.refcount[b] = 1
@@ -68,6 +65,7 @@ class BlockPool:
         """Take a reference on a cached block (prefix hit); revives it from the free queue."""
         if self.refcount[b] == 0:
             del self.free[b]
+            self.num_cached_free -= b in self.block_hash
         self.refcount[b] += 1
         self.events.emit("reuse", b, request, self.refcount[b], hash_=self.block_hash.get(b, 0))
 
@@ -78,6 +76,7 @@ class BlockPool:
         self.refcount[b] -= 1
         if self.refcount[b] == 0:
             self.free[b] = None  # tail: evicted last
+            self.num_cached_free += b in self.block_hash
         self.events.emit(event, b, request, self.refcount[b])
 
     def register(self, b: int, h: int, parent: int, tokens: np.ndarray) -> None:
@@ -92,6 +91,8 @@ class BlockPool:
         self.events.emit("hash", b, -1, self.refcount[b], num_tokens=len(tokens), hash_=h)
 
     def uncache(self, b: int) -> None:
+        if self.refcount[b] == 0:
+            self.num_cached_free -= 1
         h = self.block_hash.pop(b)
         del self.cached[h]
         parent = self.block_parent.pop(b)
@@ -105,3 +106,6 @@ class BlockPool:
         used = sum(1 for b in range(self.num_blocks) if self.refcount[b] > 0)
         if not free_ok or used + len(self.free) != self.num_usable:
             raise PoolIntegrityError(f"free {len(self.free)} + used {used} != {self.num_usable}")
+        cached = sum(1 for b in self.free if b in self.block_hash)
+        if cached != self.num_cached_free:
+            raise PoolIntegrityError(f"{cached} cached free blocks, counted {self.num_cached_free}")

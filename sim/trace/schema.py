@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from operator import attrgetter
 
 import pyarrow as pa
 
@@ -30,3 +31,6 @@ SCHEMAS: dict[str, pa.Schema] = {
 TABLES = tuple(SCHEMAS)  # order of the digest
 RECORDS = {"steps": StepRecord, "rows": RowRecord, "requests": RequestRecord,
            "blocks": BlockEvent, "violations": Violation}
+
+# record -> tuple of its fields in schema order; dataclasses.astuple deep-copies (10x slower).
+ROW_OF = {name: attrgetter(*(f.name for f in fields(cls))) for name, cls in RECORDS.items()}

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import astuple
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,7 +24,7 @@ from sim.trace.records import (
     StepRecord,
     Violation,
 )
-from sim.trace.schema import SCHEMAS, TABLES
+from sim.trace.schema import ROW_OF, SCHEMAS, TABLES
 
 _FLUSH = 1 << 15
 
@@ -44,7 +43,7 @@ class TraceWriter:
 
     def add(self, table: str, rec: object) -> None:
         b = self.buf[table]
-        b.append(astuple(rec))  # type: ignore[call-overload]
+        b.append(ROW_OF[table](rec))
         if len(b) >= _FLUSH:
             self._flush(table)
 

@@ -69,6 +69,7 @@ def test_lru_evicts_least_recently_freed_and_drops_its_hash():
     m.admit(2, m.match(c, 9)[0], 9)  # needs 3: evicts 0 first
     assert m.blocks[2] == [0, 1, 2]
     assert m.match(a, 5)[1] == 0
+    m.pool.check_integrity()  # incl. the cached-free count kept in step
 
 
 def test_partial_copy_copies_into_a_fresh_block():

@@ -1,0 +1,100 @@
+"""Simulator throughput benchmark (performance issue): `make bench` or `python bench/run.py`.
+
+Each configuration runs in a fresh process (no warm caches shared between them) after one
+warm-up run, `--reps` times; medians are reported. Writes bench/results/sim.json.
+
+    workload (a) = bench/workloads/a_vidur.toml   (Vidur comparison: vLLM, no MTP, no reuse)
+    workload (b) = bench/workloads/b_mtp.toml     (MTP + overlap + reuse)
+    modes: no trace | trace (pages etc. written) | checked (trace + every invariant online)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKLOADS = {"a": "bench/workloads/a_vidur.toml", "b": "bench/workloads/b_mtp.toml"}
+MODES = {"no-trace": [], "trace": ["--out", "{out}"], "checked": ["--out", "{out}", "--check"]}
+
+CHILD = r"""
+import json, resource, sys, time
+t0 = time.perf_counter()
+from sim.api import load_scenario, run
+sc, base = load_scenario(sys.argv[1])
+wl = sc.workload.model_copy(update={"synthetic": sc.workload.synthetic.model_copy(
+    update={"num_requests": int(sys.argv[2])})})
+sc = sc.model_copy(update={"workload": wl})
+out = sys.argv[3] if sys.argv[3] != "-" else None
+t1 = time.perf_counter()
+res = run(sc, out=out, check=sys.argv[4] == "1", base_dir=base)
+t2 = time.perf_counter()
+s = res.summary
+rows = s["output_tokens"] + s["requests"]
+print(json.dumps({"loop_s": t2 - t1, "process_s": t2 - t0, "steps": s["steps"],
+                  "requests": s["requests"], "violations": s["violations"],
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def once(wl: str, mode: str, n: int, tmp: Path) -> dict:
+    out = str(tmp / f"{wl}-{mode}") if mode != "no-trace" else "-"
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-c", CHILD, WORKLOADS[wl], str(n), out,
+                          "1" if mode == "checked" else "0"],
+                         capture_output=True, text=True, cwd=ROOT, check=True)
+    d = json.loads(res.stdout.strip().splitlines()[-1])
+    d["wall_s"] = time.perf_counter() - t0
+    return d
+
+
+def median_of(runs: list[dict]) -> dict:
+    m = {k: statistics.median(r[k] for r in runs) for k in ("loop_s", "process_s", "wall_s",
+                                                            "peak_rss_mb")}
+    r0 = runs[0]
+    m.update(steps=r0["steps"], requests=r0["requests"], violations=r0["violations"],
+             req_per_s=r0["requests"] / m["loop_s"], steps_per_s=r0["steps"] / m["loop_s"],
+             reps=len(runs))
+    return m
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--requests", type=int, default=10_000)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workloads", default="ab")
+    ap.add_argument("--modes", default="no-trace,trace,checked")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim.json")
+    args = ap.parse_args()
+    import tempfile
+    results = {}
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        for wl in args.workloads:
+            for mode in args.modes.split(","):
+                once(wl, mode, min(args.requests, 200), tmp)  # warm-up (imports, disk cache)
+                runs = [once(wl, mode, args.requests, tmp) for _ in range(args.reps)]
+                results[f"{wl}/{mode}"] = median_of(runs)
+                r = results[f"{wl}/{mode}"]
+                print(f"{wl}/{mode:9s} {r['requests']} req {r['steps']} steps: loop "
+                      f"{r['loop_s']:.1f} s ({r['req_per_s']:.0f} req/s, "
+                      f"{r['steps_per_s']:.0f} steps/s), process {r['process_s']:.1f} s, "
+                      f"peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=ROOT).stdout.strip()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpus": __import__("os").cpu_count(), "requests": args.requests, "reps": args.reps}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -15,7 +15,7 @@ from sim.check.registry import LAUNCH_ORDER
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
 from sim.profiles import Switches, resolve_profile
-from sim.trace.records import BlockEvent, RowRecord, StepRecord, Violation
+from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
 from sim.trace.writer import TraceWriter
 from sim.workload import iter_workload
@@ -48,26 +48,40 @@ def switches_for(sc: Scenario, profile: str | None = None,
 
 
 class _Sink:
-    """Receives each step once it is complete: trace writer, online checker, in-memory tables."""
+    """Receives each step once it is complete: trace writer, online checker, in-memory tables.
+
+    With `collect=False` nothing per step or per request is kept (bounded memory for runs of
+    millions of requests); the summary is built from running totals either way.
+    """
 
     def __init__(self, sc: Scenario, writer: TraceWriter | None, checker: StepChecker | None,
-                 progress: Callable[[int], None] | None) -> None:
-        self.writer, self.checker, self.progress = writer, checker, progress
+                 progress: Callable[[int], None] | None, collect: bool) -> None:
+        self.writer, self.checker, self.progress, self.collect = writer, checker, progress, collect
         self.B = sc.cache.tokens_per_block
         self.steps: list[tuple] = []
         self.kv: list[tuple[int, int, float, int]] = []
+        self.requests: list[RequestRecord] = []
         self.violations: list[Violation] = []
+        self.peak_blocks = 0
 
     def __call__(self, step: StepRecord, rows: list[RowRecord], events: list[BlockEvent]) -> None:
         if self.writer is not None:
             self.writer.on_step(step, rows, events)
         if self.checker is not None:
             self._check(step, rows, events)
-        self.steps.append(ROW_OF["steps"](step))
-        spare = sum(r.reserved - r.committed - r.new_tokens for r in rows) / self.B
-        self.kv.append((step.t_launch_ns, step.blocks_used, spare, step.blocks_cached))
+        self.peak_blocks = max(self.peak_blocks, step.blocks_used)
+        if self.collect:
+            self.steps.append(ROW_OF["steps"](step))
+            spare = sum(r.reserved - r.committed - r.new_tokens for r in rows) / self.B
+            self.kv.append((step.t_launch_ns, step.blocks_used, spare, step.blocks_cached))
         if self.progress is not None and step.step % 2048 == 0:
             self.progress(step.step)
+
+    def on_request(self, rec: RequestRecord) -> None:
+        if self.writer is not None:
+            self.writer.add("requests", rec)
+        if self.collect:
+            self.requests.append(rec)
 
     def _check(self, step: StepRecord, rows: list[RowRecord], events: list[BlockEvent]) -> None:
         ck = self.checker
@@ -95,19 +109,23 @@ def _model_info(sc: Scenario, sw: Switches) -> dict:
 
 def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: bool = False,
         profile: str | None = None, switches: dict[str, object] | None = None,
-        base_dir: Path | None = None, on_progress: Callable[[int], None] | None = None
-        ) -> RunResult:
-    """Simulate `sc`; write a trace to `out` if given; check invariants online if `check`."""
+        base_dir: Path | None = None, on_progress: Callable[[int], None] | None = None,
+        collect: bool = True) -> RunResult:
+    """Simulate `sc`; write a trace to `out` if given; check invariants online if `check`.
+
+    `collect=False` keeps no per-step/per-request tables in memory (RunResult's tables are
+    empty; the summary and the trace are complete)."""
     name, sw = switches_for(sc, profile, switches)
     model = _model_info(sc, sw)
     rng = np.random.default_rng(np.random.SeedSequence(sc.seed).spawn(4)[3])
     specs = iter_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
                           base_dir=base_dir)
     writer = TraceWriter(out) if out is not None else None
-    sink = _Sink(sc, writer, StepChecker(model) if check else None, on_progress)
+    sink = _Sink(sc, writer, StepChecker(model) if check else None, on_progress, collect)
     try:
         detail = writer is not None or check
         eng = Engine(sc, sw, specs, sink, record_events=detail, detail=detail)
+        eng.proc.on_request = sink.on_request
         eng.run()
         if sink.checker is not None:
             sink.violations.extend(sink.checker.finish())
@@ -118,13 +136,14 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
             manifest = {"kvsim_version": kvsim_version(), "scenario": sc.model_dump(mode="json"),
                         "profile": {"name": name, "switches": _sw_dict(sw)}, "seed": sc.seed,
                         "model": model, "summary": summary}
-            trace_dir = writer.close(eng.proc.records, violations, manifest)
+            trace_dir = writer.close(violations, manifest)
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
     return RunResult(summary, violations, _table("steps", sink.steps),
-                     _table("requests", [ROW_OF["requests"](r) for r in eng.proc.records]),
+                     _table("requests", [ROW_OF["requests"](r) for r in
+                                         sorted(sink.requests, key=lambda x: x.request)]),
                      _kv_table(sink.kv), trace_dir, sw)
 
 
@@ -158,23 +177,20 @@ def _kv_table(rows: list[tuple[int, int, float, int]]) -> pa.Table:
 
 
 def _summary(eng: Engine, sink: _Sink, violations: list[Violation]) -> dict:
-    recs = eng.proc.records
-    gen_steps = sum(r.num_steps for r in recs)
-    acc = sum(r.accepted_drafts for r in recs)
-    prop = sum(r.proposed_drafts for r in recs)
+    t = eng.proc.totals
     return {
-        "requests": len(recs),
-        "finished": sum(r.finish_reason in ("length", "max_seq_len") for r in recs),
-        "rejected": sum(r.finish_reason == "rejected" for r in recs),
+        "requests": t["requests"],
+        "finished": t["finished"],
+        "rejected": t["rejected"],
         "steps": eng.step,
-        "output_tokens": sum(len(r.output_tokens) for r in recs),
-        "prompt_tokens": sum(r.prompt_len for r in recs),
-        "reused_tokens": sum(r.reused_tokens for r in recs),
-        "acceptance_rate": acc / prop if prop else 0.0,
-        "mean_accepted_len": 1 + acc / gen_steps if gen_steps else 0.0,
-        "preemptions": sum(r.num_preemptions for r in recs),
-        "peak_kv_blocks": max((s[13] for s in sink.steps), default=0),
+        "output_tokens": t["output_tokens"],
+        "prompt_tokens": t["prompt_tokens"],
+        "reused_tokens": t["reused_tokens"],
+        "acceptance_rate": t["accepted"] / t["proposed"] if t["proposed"] else 0.0,
+        "mean_accepted_len": 1 + t["accepted"] / t["gen_steps"] if t["gen_steps"] else 0.0,
+        "preemptions": t["preemptions"],
+        "peak_kv_blocks": sink.peak_blocks,
         "num_blocks": eng.kv.pool.num_usable,
         "violations": len(violations),
-        "sim_time_ns": eng.env.now,
+        "sim_time_ns": int(eng.env.now),
     }

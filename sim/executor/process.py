@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +20,10 @@ class Processor:
         self.eng = eng
         self.last_processed = -1
         self.violations: list[Violation] = []
-        self.records: list[RequestRecord] = []
+        self.on_request: Callable[[RequestRecord], None] = lambda rec: None
+        self.totals = dict.fromkeys(("requests", "finished", "rejected", "output_tokens",
+                                     "prompt_tokens", "reused_tokens", "gen_steps",
+                                     "accepted", "proposed", "preemptions"), 0)
         self.slack = 2 * (eng.sc.spec.depth + eng.sc.spec.extra_kv_tokens) + 2
 
     # -- arrivals ---------------------------------------------------------------------------
@@ -33,7 +37,7 @@ class Processor:
         eng.requests[r.rid] = r
         if self._unservable(r):
             self._finish(r, "rejected", spec.arrival_ns)
-            self.records.append(self._record(r))
+            self._emit(r)
             del eng.requests[r.rid]
             return
         eng.sched.waiting.append(r)
@@ -115,7 +119,7 @@ class Processor:
         r.freed = True
         if r.finished:
             eng.sched.running.remove(r)
-            self.records.append(self._record(r))
+            self._emit(r)
             if not r.inflight:
                 del eng.requests[r.rid]
 
@@ -139,10 +143,25 @@ class Processor:
             f"flight, and nothing can be scheduled ({self.eng.kv.pool.num_free} blocks free)"))
 
     def finish_all(self) -> None:
-        for r in list(self.eng.requests.values()):
+        for rid in sorted(self.eng.requests):
+            r = self.eng.requests[rid]
             if not r.freed:
-                self.records.append(self._record(r))
-        self.records.sort(key=lambda x: x.request)
+                self._emit(r)
+
+    def _emit(self, r: Request) -> None:
+        rec = self._record(r)
+        t = self.totals
+        t["requests"] += 1
+        t["finished"] += rec.finish_reason in ("length", "max_seq_len")
+        t["rejected"] += rec.finish_reason == "rejected"
+        t["output_tokens"] += len(rec.output_tokens)
+        t["prompt_tokens"] += rec.prompt_len
+        t["reused_tokens"] += rec.reused_tokens
+        t["gen_steps"] += rec.num_steps
+        t["accepted"] += rec.accepted_drafts
+        t["proposed"] += rec.proposed_drafts
+        t["preemptions"] += rec.num_preemptions
+        self.on_request(rec)
 
     def _record(self, r: Request) -> RequestRecord:
         outs = r.tokens[r.prompt_len:max(r.prompt_len, r.n_host)]

@@ -19,7 +19,6 @@ from sim.trace.reader import table_digest
 from sim.trace.records import (
     FORMAT_VERSION,
     BlockEvent,
-    RequestRecord,
     RowRecord,
     StepRecord,
     Violation,
@@ -65,10 +64,7 @@ class TraceWriter:
         self.counts[table] += len(b)
         b.clear()
 
-    def close(self, requests: list[RequestRecord], violations: list[Violation],
-              manifest: dict) -> Path:
-        for r in requests:
-            self.add("requests", r)
+    def close(self, violations: list[Violation], manifest: dict) -> Path:
         for v in violations:
             self.add("violations", v)
         for n in TABLES:

@@ -16,7 +16,7 @@ from sim.trace.schema import TABLES
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = {
     "worked_example": "a6e3741b6184e94f33b8c571bca6f4e6cafe0533f12aedc780d0292518a60fce",
-    "default": "4252dd8ad1229d0e79df80c22a690412075048c1aacc2e1dc497251893a89e37",
+    "default": "5505189144816705bfdd9ce86df14772f13527130e1a0be6502c4bd539d3b890",
 }
 
 

@@ -11,6 +11,13 @@ class Acceptance:
     def __init__(self, cfg: ForcedAcceptance | RateAcceptance, rng: np.random.Generator) -> None:
         self.cfg = cfg
         self.rng = rng
+        self.rates = list(cfg.rates) if isinstance(cfg, RateAcceptance) else []
+        self._u: list[float] = []  # uniforms drawn in blocks: one numpy call per 64k drafts
+
+    def _uniform(self) -> float:
+        if not self._u:
+            self._u = self.rng.random(1 << 16).tolist()[::-1]
+        return self._u.pop()
 
     def request_scale(self) -> float:
         if isinstance(self.cfg, RateAcceptance):
@@ -26,8 +33,8 @@ class Acceptance:
         if isinstance(cfg, ForcedAcceptance):
             return min(cfg.accepted[gen_index % len(cfg.accepted)], draft_len)
         # Conditional per position: draft i is accepted with rates[i] given all before it were.
-        rates = np.minimum(np.asarray(cfg.rates[:draft_len]) * scale, 1.0)
-        if len(rates) < draft_len:
-            rates = np.concatenate([rates, np.zeros(draft_len - len(rates))])
-        ok = self.rng.random(draft_len) < rates
-        return draft_len if ok.all() else int(np.argmin(ok))
+        rates = self.rates
+        for i in range(draft_len):
+            if i >= len(rates) or not self._uniform() < min(rates[i] * scale, 1.0):
+                return i
+        return draft_len

@@ -1,12 +1,11 @@
 """Read a trace directory back (docs/trace.md), refusing anything that is not a whole trace.
 
-`table_digest` is THE content digest of a trace: the writer imports it too, so both sides hash
-the same canonical bytes (Arrow IPC of each table cast to its fixed schema, one batch each).
+`table_digest` recomputes the trace's content digest (sim/trace/digest.py) from the tables as
+read, to compare with the one the writer computed while streaming.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim.errors import TraceError
+from sim.trace.digest import TableDigest, combine  # noqa: E402
 from sim.trace.records import (
     FORMAT_VERSION,
     BlockEvent,
@@ -36,19 +36,15 @@ class Trace:
 def table_digest(tables: list[pa.Table]) -> str:
     """sha256 hex over the tables in TABLES order (steps, rows, requests, blocks, violations).
 
-    Each table is cast to its fixed schema and serialized as one Arrow IPC batch, so column
-    names, types and values count, and chunking, column order and metadata do not.
+    Column names, types and values count; chunking, column order and metadata do not
+    (sim/trace/digest.py: the writer computes the same digest as it streams).
     """
-    h = hashlib.sha256()
+    parts = []
     for name, table in zip(TABLES, tables, strict=True):
-        schema = SCHEMAS[name]
-        t = _conform(table, schema, name)
-        batch = pa.RecordBatch.from_arrays([c.combine_chunks() for c in t.columns], schema=schema)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, schema) as writer:
-            writer.write_batch(batch)
-        h.update(sink.getvalue().to_pybytes())
-    return h.hexdigest()
+        d = TableDigest(name, SCHEMAS[name])
+        d.update(_conform(table, SCHEMAS[name], name))
+        parts.append(d.hexdigest())
+    return combine(parts)
 
 
 def read_trace(path: str | Path) -> Trace:

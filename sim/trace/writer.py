@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from sim.trace.reader import table_digest
+from sim.trace.digest import TableDigest, combine
 from sim.trace.records import (
     FORMAT_VERSION,
     BlockEvent,
@@ -39,6 +41,7 @@ class TraceWriter:
                                             compression="zstd") for n in TABLES}
         self.buf: dict[str, list[tuple]] = {n: [] for n in TABLES}
         self.counts = dict.fromkeys(TABLES, 0)
+        self.digests = {n: TableDigest(n, SCHEMAS[n]) for n in TABLES}
 
     def add(self, table: str, rec: object) -> None:
         b = self.buf[table]
@@ -59,8 +62,10 @@ class TraceWriter:
             return
         schema = SCHEMAS[table]
         cols = list(zip(*b, strict=True))
-        arrays = [pa.array(c, type=f.type) for c, f in zip(cols, schema, strict=True)]
-        self.writers[table].write_table(pa.Table.from_arrays(arrays, schema=schema))
+        batch = pa.RecordBatch.from_arrays(
+            [_column(c, f.type) for c, f in zip(cols, schema, strict=True)], schema=schema)
+        self.writers[table].write_batch(batch)
+        self.digests[table].update(batch)
         self.counts[table] += len(b)
         b.clear()
 
@@ -70,10 +75,9 @@ class TraceWriter:
         for n in TABLES:
             self._flush(n)
             self.writers[n].close()
-        tables = [pq.read_table(self.tmp / f"{n}.parquet") for n in TABLES]
         manifest = dict(manifest, format_version=FORMAT_VERSION,
                         counts={n: self.counts[n] for n in TABLES},
-                        digest=table_digest(tables),
+                        digest=combine([self.digests[n].hexdigest() for n in TABLES]),
                         violations=self.counts["violations"], complete=True)
         (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
         if self.out.exists():
@@ -88,3 +92,19 @@ class TraceWriter:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _column(values: tuple, t: pa.DataType) -> pa.Array:
+    """Python values -> Arrow through numpy (pa.array on tuples of lists is several times
+    slower, and imports pandas)."""
+    n = len(values)
+    if pa.types.is_list(t):
+        lengths = np.fromiter(map(len, values), np.int32, n)
+        offsets = np.zeros(n + 1, np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.fromiter(chain.from_iterable(values), np.int32, int(offsets[-1]))
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+    if pa.types.is_string(t):
+        return pa.array(list(values), pa.string())
+    dtype = {pa.bool_(): bool, pa.uint64(): np.uint64}.get(t, np.int64)
+    return pa.array(np.fromiter(values, dtype, n), t)

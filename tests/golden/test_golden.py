@@ -15,8 +15,8 @@ from sim.trace.schema import TABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = {
-    "worked_example": "a6e3741b6184e94f33b8c571bca6f4e6cafe0533f12aedc780d0292518a60fce",
-    "default": "5505189144816705bfdd9ce86df14772f13527130e1a0be6502c4bd539d3b890",
+    "worked_example": "abe7c27459d4295a8c57e05c9a04204698e44313d989b4c20d072b990e23afb4",
+    "default": "92408b45c47764c3ca6e9125a421ec301f55b1d253fdd73676627f2a6ac8a6a9",
 }
 
 

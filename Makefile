@@ -20,12 +20,12 @@ run: $(STAMP)
 	$(BIN)/kvsim run scenarios/default.toml
 
 test: $(STAMP)
-	$(BIN)/ruff check sim gpu_backend tests bench
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 2 -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check sim gpu_backend tests bench
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 bench: $(STAMP)

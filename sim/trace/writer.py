@@ -27,7 +27,7 @@ from sim.trace.records import (
 )
 from sim.trace.schema import ROW_OF, SCHEMAS, TABLES
 
-_FLUSH = 1 << 15
+_FLUSH = 1 << 13  # rows per record batch: bounds the buffered Python tuples
 
 
 class TraceWriter:

@@ -1,0 +1,77 @@
+"""`--backend reference`: the kernels emulated in torch on the CPU through sim.check.access.
+
+The access model says which (position, page, slot) each row's attention reads and its append
+writes, exactly as FlashInfer 0.7.2 would (DESIGN §3.5); this module only turns those accesses
+into pool reads/writes and fp32 softmax attention, so the GPU and CPU replays differ only in who
+computes. An ordinal past the table (WILD) reads the -1 entries both backends place after
+`kv_indices` (layout.TAIL): the guard page before page 0. A page id past the guard band is
+undefined on the device; the reference reports it as a fault instead of guessing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_backend.driver import KernelFault
+from gpu_backend.layout import StepBatch
+from gpu_backend.oracle import attend
+from gpu_backend.pool import KVPool
+from sim.check.access import CLAMPED, WILD, Accesses, step_access
+from sim.trace.records import RowRecord
+
+
+class ReferenceKernels:
+    name = "reference"
+
+    def __init__(self, num_q_heads: int, num_blocks: int):
+        self.num_q_heads, self.num_blocks = num_q_heads, num_blocks
+
+    def run_step(self, pool: KVPool, b: StepBatch, rows: list[RowRecord],
+                 dv: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 q: torch.Tensor) -> torch.Tensor:
+        acc = step_access(b.backend, rows, b.page_size, self.num_blocks)
+        idx, slot = self._physical(pool, acc.writes, "append")
+        t = torch.as_tensor(idx)
+        s = torch.as_tensor(slot)
+        pool.data[t, 0, s] = k
+        pool.data[t, 1, s] = v
+        return self._attention(pool, b, acc.reads, acc.kernel_len, q)
+
+    def _physical(self, pool: KVPool, a: Accesses, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """Pool index and slot of each access. CLAMPED reads element offset 0 of the cache: pool
+        index 0, a guard page. Page -1 (WILD included) or past num_blocks lands in the guard band
+        (poison)."""
+        clamped = (a.flags & CLAMPED) != 0
+        page = np.where((a.flags & WILD) != 0, -1, a.page)
+        idx = np.where(clamped, 0, page + pool.guard)
+        slot = np.where(clamped, 0, a.slot)
+        out = (idx < 0) | (idx >= pool.total)
+        if out.any():
+            i = int(np.flatnonzero(out)[0])
+            raise KernelFault(f"{what} row {int(a.row[i])} position {int(a.pos[i])}: page "
+                              f"{int(a.page[i])} outside the pool and its guard band")
+        return idx, slot
+
+    def _attention(self, pool: KVPool, b: StepBatch, reads: Accesses, kernel_len: np.ndarray,
+                   q: torch.Tensor) -> torch.Tensor:
+        idx, slot = self._physical(pool, reads, "attention")
+        R, L = b.num_rows, max(int(kernel_len.max(initial=0)), 1)
+        kv = torch.zeros((R, L) + tuple(pool.data.shape[1:2]) + tuple(pool.data.shape[3:]),
+                         dtype=pool.data.dtype)
+        kv[torch.as_tensor(reads.row), torch.as_tensor(reads.pos)] = \
+            pool.data[torch.as_tensor(idx), :, torch.as_tensor(slot)]
+        W = int(b.q_len.max())
+        j = np.arange(W)
+        tok = b.qo_indptr[:-1][:, None] + np.minimum(j[None, :], b.q_len[:, None] - 1)
+        # causal, bottom-right aligned: query j sees [0, kernel_len - q_len + j]
+        limit = kernel_len[:, None] - b.q_len[:, None] + j[None, :]
+        tok_t = torch.as_tensor(tok)
+        o = attend(q[tok_t], kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
+                   torch.as_tensor(limit))
+        o = torch.where(torch.as_tensor(limit >= 0)[:, :, None, None], o, 0.0)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        valid = torch.as_tensor(j[None, :] < b.q_len[:, None])
+        out[tok_t[valid]] = o[valid].to(q.dtype)  # the kernels write bf16/fp16
+        return out
+

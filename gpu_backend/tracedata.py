@@ -1,0 +1,127 @@
+"""Read a trace directory (docs/trace.md) into plain Python records for the replay.
+
+The replay depends on the trace format only, never on the simulator's internals. When
+`sim.trace.reader` is present it validates the directory first (manifest, version, completeness);
+the tables are then read here with pyarrow so the replay sees exactly the documented columns.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+
+from sim.errors import TraceError
+from sim.trace.records import FORMAT_VERSION, BlockEvent, RowRecord, StepRecord
+
+MODEL_KEYS = ("num_q_heads", "num_kv_heads", "head_dim", "tokens_per_block", "num_blocks", "dtype")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_blocks: int
+    dtype: str
+
+
+@dataclass
+class TraceData:
+    path: Path
+    manifest: dict[str, Any]
+    model: ModelShape
+    steps: list[StepRecord]
+    rows: dict[int, list[RowRecord]]  # step -> rows in batch order
+    prompts: dict[int, tuple[int, ...]]  # request -> prompt + committed output tokens
+    events: dict[tuple[int, str], list[BlockEvent]] = field(default_factory=dict)
+    violations: list[tuple[str, int, int, str]] = field(default_factory=list)
+
+
+def _table(path: Path, name: str, required: bool = True) -> list[dict[str, Any]]:
+    f = path / f"{name}.parquet"
+    if not f.exists():
+        if required:
+            raise TraceError(f"{path}: {name}.parquet is missing")
+        return []
+    try:
+        return pq.read_table(f).to_pylist()
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise TraceError(f"{f}: unreadable Parquet ({e})") from None
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    f = path / "manifest.json"
+    if not path.is_dir():
+        raise TraceError(f"{path}: not a trace directory")
+    if not f.exists():
+        raise TraceError(f"{path}: manifest.json is missing (not a complete trace)")
+    try:
+        m = json.loads(f.read_text())
+    except json.JSONDecodeError as e:
+        raise TraceError(f"{f}: not valid JSON ({e})") from None
+    if m.get("format_version") != FORMAT_VERSION:
+        raise TraceError(f"{f}: format_version {m.get('format_version')!r}, "
+                         f"this replay reads {FORMAT_VERSION}")
+    if m.get("complete") is not True:
+        raise TraceError(f"{f}: trace is not marked complete")
+    missing = [k for k in MODEL_KEYS if k not in m.get("model", {})]
+    if missing:
+        raise TraceError(f"{f}: model is missing {', '.join(missing)}")
+    return dict(m)
+
+
+def _tables(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """All five tables as lists of dicts; through sim.trace.reader (digest, counts) when present."""
+    names = ("steps", "rows", "requests", "blocks", "violations")
+    try:
+        from sim.trace.reader import read_trace
+    except ImportError:
+        return {n: _table(path, n, required=n in ("steps", "rows")) for n in names}
+    t = read_trace(path)
+    return {n: t.tables[n].to_pylist() if n in t.tables else [] for n in names}
+
+
+def _as_row(d: dict[str, Any]) -> RowRecord:
+    vals: dict[str, Any] = {k: (tuple(v) if isinstance(v, list) else v) for k, v in d.items()
+                            if k in RowRecord.__dataclass_fields__}
+    return RowRecord(**vals)
+
+
+def _as_step(d: dict[str, Any]) -> StepRecord:
+    return StepRecord(**{k: v for k, v in d.items() if k in StepRecord.__dataclass_fields__})
+
+
+def load_trace(path: str | Path) -> TraceData:
+    """Read TRACE_DIR. Raises TraceError for anything missing, partial or of another version."""
+    path = Path(path)
+    m = _manifest(path)
+    tabs = _tables(path)
+    mm = m["model"]
+    model = ModelShape(int(mm["num_q_heads"]), int(mm["num_kv_heads"]), int(mm["head_dim"]),
+                       int(mm["tokens_per_block"]), int(mm["num_blocks"]), str(mm["dtype"]))
+    if model.num_q_heads % model.num_kv_heads:
+        raise TraceError(f"{path}: num_q_heads {model.num_q_heads} is not a multiple of "
+                         f"num_kv_heads {model.num_kv_heads}")
+    steps = sorted((_as_step(d) for d in tabs["steps"]), key=lambda s: s.step)
+    rows: dict[int, list[RowRecord]] = {s.step: [] for s in steps}
+    for d in tabs["rows"]:
+        r = _as_row(d)
+        if r.step not in rows:
+            raise TraceError(f"{path}: rows.parquet has step {r.step}, absent from steps.parquet")
+        rows[r.step].append(r)
+    for lst in rows.values():
+        lst.sort(key=lambda r: r.row)
+    prompts = {int(d["request"]): tuple(d["prompt_tokens"]) + tuple(d["output_tokens"])
+               for d in tabs["requests"]}
+    events: dict[tuple[int, str], list[BlockEvent]] = {}
+    for d in sorted(tabs["blocks"], key=lambda d: d["seq"]):
+        ev = BlockEvent(**{k: v for k, v in d.items() if k in BlockEvent.__dataclass_fields__})
+        events.setdefault((ev.step, ev.phase), []).append(ev)
+    viols = [(d["invariant"], d["step"], d["request"], d["message"])
+             for d in tabs["violations"]]
+    return TraceData(path, m, model, steps, rows, prompts, events, viols)

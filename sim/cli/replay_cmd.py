@@ -1,0 +1,107 @@
+"""`kvsim replay TRACE_DIR`: replay a trace through FlashInfer (GPU) or the CPU reference.
+
+Exit 0 when every row is ok, 1 when any is not, 2 on bad input (including "no CUDA device").
+torch/flashinfer are imported inside the command: the simulator core never imports them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sim.errors import KvsimError
+
+_FIRST_BAD = 10
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("replay")
+    def replay_cmd(
+        trace_dir: Path = typer.Argument(..., help="trace directory written by `kvsim run`"),
+        backend: str = typer.Option("flashinfer", help="flashinfer (GPU) or reference (CPU)"),
+        isolate: bool = typer.Option(False, help="run in a child process; a CUDA fault is "
+                                                 "pinned on its step and the replay carries on"),
+        sanitize: bool = typer.Option(False, help="re-run under compute-sanitizer memcheck "
+                                                  "with the caching allocator off"),
+        json_out: Path | None = typer.Option(None, "--json", help="write every row's verdict"),
+        tol: float | None = typer.Option(None, help="max |out - ref| of an ok row (default "
+                                                    "2e-2, see docs/gpu.md)"),
+    ) -> None:
+        """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
+        console = Console()
+        if sanitize:
+            _reexec_sanitized()
+        try:
+            res = _run(trace_dir, backend, isolate, tol)
+        except KvsimError as e:
+            console.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
+        _summary(console, res)
+        if json_out is not None:
+            from gpu_backend.run import write_json
+
+            write_json(res, json_out)
+        raise typer.Exit(0 if res.ok else 1)
+
+
+def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None) -> Any:
+    from gpu_backend.oracle import DEFAULT_TOL
+
+    tol = DEFAULT_TOL if tol is None else tol
+    if isolate:
+        from gpu_backend.isolate import replay_isolated
+
+        return replay_isolated(trace_dir, backend, tol)
+    from gpu_backend.run import run_replay
+
+    current = {"step": -1}
+
+    def on_step(step: int, what: str) -> None:
+        current["step"] = step
+
+    try:
+        return run_replay(trace_dir, backend, tol, on_step=on_step)
+    except RuntimeError as e:  # a CUDA fault: the context is gone, say where and how to go on
+        raise KvsimError(f"device fault during step {current['step']} ({str(e)[:200]}); "
+                         "rerun with --isolate to attribute it and carry on") from None
+
+
+def _reexec_sanitized() -> None:
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        Console().print("[red]error:[/red] compute-sanitizer is not on PATH")
+        raise typer.Exit(2)
+    args = [a for a in sys.argv[1:] if a != "--sanitize"]
+    env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+    cmd = [exe, "--tool", "memcheck", "--print-limit", "20", sys.executable, "-c",
+           "from sim.cli import main; main()", *args]
+    os.execvpe(exe, cmd, env)
+
+
+def _summary(console: Console, res: Any) -> None:
+    from gpu_backend.driver import max_ok_error
+
+    t = Table(title=f"{res.backend} replay of {Path(res.trace).name} (tol {res.tol:g})")
+    t.add_column("verdict")
+    t.add_column("rows", justify="right")
+    for verdict, n in res.counts().items():
+        t.add_row(verdict, str(n))
+    console.print(t)
+    console.print(f"max |out - ref| over ok rows: {max_ok_error(res):.3g}")
+    bad = [r for r in res.rows if r.verdict != "ok"][:_FIRST_BAD]
+    if not bad:
+        return
+    b = Table(title="first rows that are not ok")
+    for col in ("step", "row", "request", "phase", "q_len", "verdict", "max err", "message"):
+        b.add_column(col)
+    for r in bad:
+        b.add_row(str(r.step), str(r.row), str(r.request), r.phase, str(r.q_len), r.verdict,
+                  f"{r.err:.3g}", r.message[:80])
+    console.print(b)

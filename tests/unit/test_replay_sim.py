@@ -1,0 +1,77 @@
+"""Real simulator traces through the CPU reference replay, and the agreement matrix tooling."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from replay_traces import EXPECTED, SCENARIOS
+
+from gpu_backend.agreement import main as agreement_main
+from gpu_backend.oracle import DEFAULT_TOL
+from gpu_backend.run import run_replay
+from gpu_backend.staging import Staging
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _simulate(tmp: Path, fault: str) -> Path:
+    out = tmp / fault
+    p = subprocess.run([sys.executable, "-c", "from sim.cli import main; main()", "run",
+                        f"scenarios/faults/{fault}.toml", "--profile",
+                        f"trtllm-post-17264+{fault}", "--out", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert out.exists(), p.stdout[-2000:] + p.stderr[-2000:]
+    return out
+
+
+def _bad(res: object) -> dict[tuple[int, int], str]:
+    return {(r.step, r.request): r.verdict for r in res.rows if r.verdict != "ok"}  # type: ignore[attr-defined]
+
+
+def test_append_into_shared_block_is_corrupt_where_the_simulator_says_i5(tmp_path: Path) -> None:
+    trace = _simulate(tmp_path, "append_into_shared")
+    res = run_replay(trace, "reference", DEFAULT_TOL)
+    corrupt = {k for k, v in _bad(res).items() if v == "corrupt"}
+    assert corrupt == {(9, 1), (10, 1)}  # the I5 violations' (step, request)
+    assert {v for v in _bad(res).values()} == {"corrupt", "mismatch"}
+
+
+def test_first_gen_on_the_host_estimate_reads_poison(tmp_path: Path) -> None:
+    res = run_replay(_simulate(tmp_path, "first_gen_host_estimate"), "reference", DEFAULT_TOL)
+    assert _bad(res) == {(1, 0): "nan", (2, 0): "nan"}
+
+
+def test_the_fixed_profile_replays_clean(tmp_path: Path) -> None:
+    out = tmp_path / "clean"
+    subprocess.run([sys.executable, "-c", "from sim.cli import main; main()", "run",
+                    "scenarios/faults/uncorrected_overlap.toml", "--out", str(out)],
+                   capture_output=True, text=True, cwd=ROOT)
+    assert run_replay(out, "reference", DEFAULT_TOL).ok
+
+
+def test_agreement_matrix_with_the_reference_backend(tmp_path: Path) -> None:
+    names = ("clean_mtp", "append_past_alloc")
+    traces = [str(SCENARIOS[n](tmp_path / n)) for n in names]
+    exp = tmp_path / "expected.json"
+    exp.write_text(json.dumps({n: {f"{s},{r}": v for (s, r), v in EXPECTED[n].items()}
+                               for n in names}))
+    md = tmp_path / "a.md"
+    assert agreement_main([*traces, "--out", str(md), "--expected", str(exp),
+                           "--backends", "reference"]) == 0
+    text = md.read_text()
+    assert "| append_past_alloc | 8 | none | (3,0) corrupt; (3,1) mismatch |" in text
+    assert "**no**" not in text
+
+
+@pytest.mark.parametrize("shape", [(3,), (2, 4)])
+def test_staging_keeps_names_shapes_and_host_copies(shape: tuple[int, ...]) -> None:
+    st = Staging("cpu")
+    a = np.arange(int(np.prod(shape))).reshape(shape)
+    out = st.upload({"a": a, "b": np.array([7, 8])}, host=("b",))
+    assert out["a"].tolist() == a.tolist() and out["b"].tolist() == [7, 8]
+    assert out["b@host"].dtype.is_floating_point is False and out["b@host"].tolist() == [7, 8]

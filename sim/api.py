@@ -17,7 +17,7 @@ from sim.engine import Engine
 from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
-from sim.trace.writer import TraceWriter
+from sim.trace.writer import TraceWriter, to_arrow
 from sim.workload import iter_workload
 
 __all__ = ["RunResult", "load_scenario", "parse_scenario", "run", "switches_for"]
@@ -163,8 +163,7 @@ def _sw_dict(sw: Switches) -> dict:
 def _table(name: str, rows: list[tuple]) -> pa.Table:
     schema = SCHEMAS[name]
     cols: list = list(zip(*rows, strict=True)) if rows else [[] for _ in schema]
-    return pa.Table.from_arrays([pa.array(c, type=f.type) for c, f in zip(cols, schema,
-                                                                          strict=True)],
+    return pa.Table.from_arrays([to_arrow(c, f.type) for c, f in zip(cols, schema, strict=True)],
                                 schema=schema)
 
 

@@ -63,7 +63,7 @@ class TraceWriter:
         schema = SCHEMAS[table]
         cols = list(zip(*b, strict=True))
         batch = pa.RecordBatch.from_arrays(
-            [_column(c, f.type) for c, f in zip(cols, schema, strict=True)], schema=schema)
+            [to_arrow(c, f.type) for c, f in zip(cols, schema, strict=True)], schema=schema)
         self.writers[table].write_batch(batch)
         self.digests[table].update(batch)
         self.counts[table] += len(b)
@@ -94,7 +94,7 @@ class TraceWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _column(values: tuple, t: pa.DataType) -> pa.Array:
+def to_arrow(values: tuple | list, t: pa.DataType) -> pa.Array:
     """Python values -> Arrow through numpy (pa.array on tuples of lists is several times
     slower, and imports pandas)."""
     n = len(values)

@@ -20,6 +20,7 @@ shape-specific). XQA has no plan, so there the mismatch has no kernel effect.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -31,12 +32,14 @@ from gpu_backend.pool import KVPool
 from sim.trace.records import RowRecord
 
 _WS = 256 << 20
+_SPIN = 1_000_000  # GPU clock cycles (~0.5 ms) queued before a timed launch: hides host overhead
 
 
 class FlashInferKernels:
     name = "flashinfer"
 
-    def __init__(self, num_q_heads: int, device: torch.device | str, timing: bool = False):
+    def __init__(self, num_q_heads: int, device: torch.device | str, timing: bool = False,
+                 attn_timing: bool = False):
         import flashinfer
 
         self.fi, self.num_q_heads, self.dev = flashinfer, num_q_heads, torch.device(device)
@@ -46,6 +49,9 @@ class FlashInferKernels:
         self.prefill: dict[str, Any] = {}
         self.timing = timing
         self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # attn_timing: CUDA events around each attention launch only (gpu_backend.fidelity)
+        self.attn_timing = attn_timing
+        self.attn_events: list[tuple[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]]] = []
 
     def _prefill(self, backend: str) -> Any:
         if backend not in self.prefill:
@@ -59,6 +65,8 @@ class FlashInferKernels:
         if self.timing:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
+        if self.attn_timing:
+            self.attn_events.append((b.step, []))
         i32 = torch.int32
         indices = dv["kv_indices"].to(i32)
         try:
@@ -82,6 +90,24 @@ class FlashInferKernels:
     def kernel_ms(self) -> list[float]:
         torch.cuda.synchronize()
         return [a.elapsed_time(z) for a, z in self.events]
+
+    def attention_ms(self) -> dict[int, float]:
+        """attn_timing: step -> summed time of its attention launches (append not included)."""
+        torch.cuda.synchronize()
+        return {k: sum(a.elapsed_time(z) for a, z in evs) for k, evs in self.attn_events}
+
+    def _timed(self, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """One attention launch; with attn_timing between CUDA events, after a GPU spin so the
+        start event fires once the host has queued the kernel (host overhead is not timed)."""
+        if not self.attn_timing:
+            return launch()
+        torch.cuda._sleep(_SPIN)
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        out = launch()
+        z.record()
+        self.attn_events[-1][1].append((a, z))
+        return out
 
     def _attend(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], i: int, s: int,
                 e: int, kind: str, q: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -110,12 +136,12 @@ class FlashInferKernels:
         if kind == "decode" and b.backend != "fa3":
             self.decode.plan(kv_indptr, indices, lpl, hq, hkv, d, B, q_data_type=dt,
                              kv_data_type=dt)
-            return self.decode.run(qr, pool.data)
+            return self._timed(lambda: self.decode.run(qr, pool.data))
         w = self._prefill("fa3" if b.backend == "fa3" else "fa2")
         qo = dv[f"run{i}_qo@host"]
         w.plan(qo, kv_indptr, indices, lpl, hq, hkv, d, B, causal=True, q_data_type=dt,
                kv_data_type=dt)
-        return w.run(qr, pool.data)
+        return self._timed(lambda: w.run(qr, pool.data))
 
     def _stale_plan(self, pool: KVPool, b: StepBatch, s: int, e: int, qr: torch.Tensor,
                     indices: torch.Tensor) -> torch.Tensor:
@@ -132,7 +158,7 @@ class FlashInferKernels:
         extra = {"q_len_per_req": b.plan_q_len} if b.plan_q_len > 1 else {}
         w.plan(torch.as_tensor(ptr), indices, torch.as_tensor(b.last_page_len[sel]), hq, hkv, d,
                B, q_data_type=dt, kv_data_type=dt, **extra)
-        return w.run(qr, pool.data).reshape(qr.shape)
+        return self._timed(lambda: w.run(qr, pool.data)).reshape(qr.shape)
 
     def _xqa(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], s: int, e: int,
              qr: torch.Tensor) -> torch.Tensor:
@@ -152,7 +178,7 @@ class FlashInferKernels:
             mask = torch.as_tensor(bits.view(np.uint16), device=self.dev)
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
-        return xqa_batch_decode_with_kv_cache(
+        return self._timed(lambda: xqa_batch_decode_with_kv_cache(
             qr, pool.data, self.ws[3], bt, seq, bt.shape[1] * b.page_size,
             bmm1_scale=1.0 / math.sqrt(d), bmm2_scale=1.0, kv_layout="NHD",
-            q_len_per_req=W, mask=mask).reshape(qr.shape)
+            q_len_per_req=W, mask=mask)).reshape(qr.shape)

@@ -28,6 +28,19 @@ class MetadataBuilder:
         # row that claims more pages than it copied reads what earlier steps left there.
         self.flat: list[int] = [-1] * buffer_len
         self.plans: dict[object, int] = {}
+        # CUDA-graph capture of a pure-generation batch: request ids -> (nbs, page rows, indptr)
+        self.graph: tuple[tuple[int, ...], list[int], list[tuple[int, ...]],
+                          list[int]] | None = None
+
+    def graph_nbs(self, reqs: list[Request], nbs: list[int], gen_only: bool) -> list[int]:
+        """Page counts the kernel sees: captured ones when a stale graph is replayed."""
+        if self.sw.refresh_graph_pages or not gen_only:
+            return nbs
+        key = tuple(r.rid for r in reqs)
+        if self.graph is not None and self.graph[0] == key:
+            return self.graph[1]
+        self.graph = (key, nbs, [], [])
+        return nbs
 
     def host_view(self, r: Request, W: int) -> tuple[int, int]:
         """(cached_host, device offset) for a generation row."""
@@ -61,6 +74,18 @@ class MetadataBuilder:
     def page_rows(self, reqs: list[Request],
                   nbs: list[int]) -> tuple[list[tuple[int, ...]], list[int]]:
         """Per-row page lists as the kernel sees them, and kv_indptr."""
+        g = self.graph
+        if g is not None and not self.sw.refresh_graph_pages and g[0] == tuple(
+                r.rid for r in reqs):
+            if g[2]:  # replaying the captured graph: its kv_indices were never refreshed
+                return g[2], g[3]
+            rows, indptr = self._page_rows(reqs, nbs)
+            self.graph = (g[0], g[1], rows, indptr)
+            return rows, indptr
+        return self._page_rows(reqs, nbs)
+
+    def _page_rows(self, reqs: list[Request],
+                   nbs: list[int]) -> tuple[list[tuple[int, ...]], list[int]]:
         if self.sw.backend == "xqa":  # block table: one row each, unallocated = -1
             rows = []
             for r, nb in zip(reqs, nbs, strict=True):

@@ -28,8 +28,11 @@ def build_rows(step: int, batch: Batch, md: MetadataBuilder, acc: Acceptance,
         reqs.append(r)
         lens.append(md.gen_lengths(r, 1 + d))
         meta.append(("gen", 1 + d, d))
+    nbs = md.graph_nbs(reqs, [x["nb"] for x in lens], not batch.ctx)
+    for ln, nb in zip(lens, nbs, strict=True):
+        ln["nb"] = nb
     if detail:
-        pages, indptr = md.page_rows(reqs, [x["nb"] for x in lens])
+        pages, indptr = md.page_rows(reqs, nbs)
     else:
         pages, indptr = [()] * len(reqs), [0] * len(reqs)
     return [_row(step, i, r, lens[i], meta[i], pages[i], indptr[i], md, acc, max_pos, detail)

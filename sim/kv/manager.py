@@ -30,7 +30,8 @@ class PrefixMatch:
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, reuse: str, events: EventLog,
-                 null_block: bool = False, nocopy_exclusive: bool = True) -> None:
+                 null_block: bool = False, nocopy_exclusive: bool = True,
+                 hash_kind: str = "blake2b") -> None:
         self.pool = BlockPool(num_blocks, block_size, events, null_block)
         self.B = block_size
         self.reuse = reuse
@@ -39,6 +40,10 @@ class KVManager:
         self.reserved: dict[int, int] = {}
         self.shared: dict[int, int] = {}
         self.hashed: dict[int, list[int]] = {}  # hashes of r's leading full blocks
+        self.hash_kind = hash_kind
+        # (block, first differing token index) of the last match whose hash hit a block with
+        # other content: the prefix chain is inconsistent (a collision). The scheduler reports it.
+        self.collision: tuple[int, int] | None = None
 
     # -- prefix reuse -----------------------------------------------------------------------
     def match(self, tokens: np.ndarray, prefill_len: int) -> tuple[PrefixMatch, int]:
@@ -49,12 +54,17 @@ class KVManager:
         if self.reuse == "off" or prefill_len < 2:
             return PrefixMatch((), ()), 0
         limit = prefill_len - 1
-        hashes = chain_hashes(tokens, self.B, limit // self.B)
+        hashes = chain_hashes(tokens, self.B, limit // self.B, kind=self.hash_kind)
         full: list[int] = []
-        for h in hashes:
+        self.collision = None
+        for i, h in enumerate(hashes):
             b = self.pool.cached.get(h)
             if b is None:
                 break
+            want = tokens[i * self.B:(i + 1) * self.B]
+            if self.collision is None and not np.array_equal(self.pool.block_tokens[b], want):
+                diff = int(np.flatnonzero(self.pool.block_tokens[b] != want)[0])
+                self.collision = (b, i * self.B + diff)
             full.append(b)
         hs = tuple(hashes[: len(full)])
         n = len(full) * self.B
@@ -130,7 +140,8 @@ class KVManager:
             return
         parent = done[-1] if done else 0
         start = len(done) * self.B
-        new = chain_hashes(tokens[start: n_full * self.B], self.B, n_full - len(done), parent)
+        new = chain_hashes(tokens[start: n_full * self.B], self.B, n_full - len(done), parent,
+                           kind=self.hash_kind)
         for i, h in enumerate(new, start=len(done)):
             self.pool.register(self.blocks[r][i], h, parent,
                                np.array(tokens[i * self.B:(i + 1) * self.B], dtype=np.int32))

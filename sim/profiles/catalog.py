@@ -44,10 +44,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("reserved_table_fa2", {"backend": "fa2"}, "I13",
           "TRT-LLM PR #17264 (decode_plan guard)",
           "FA2 derives length from pages: reserved pages lengthen attention"),
-    Fault("plan_without_width", {"plan_key": "no-width"}, "I14",
+    Fault("plan_without_width", {"plan_key": "no-width", "backend": "fa2",
+                                 "gen_table_width": "logical-device"}, "I14",
           "TRT-LLM PR #17264 (PlanParams.q_len_per_req)",
           "a plan built for another query width is reused"),
-    Fault("plan_keyed_by_batch", {"plan_key": "per-batch"}, "I14",
+    Fault("plan_keyed_by_batch", {"plan_key": "per-batch", "backend": "fa2",
+                                  "gen_table_width": "logical-device"}, "I14",
           "TRT-LLM #18557", "the eager plan cache grows once per batch size seen"),
     Fault("draft_past_limit", {"draft_clamp": False}, "I16",
           "TRT-LLM #4879; Gemma4 RoPE table", "drafts not clamped at the position limit"),
@@ -63,6 +65,13 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("append_into_shared", {"nocopy_exclusive": False}, "I5",
           "TRT-LLM partial reuse without copy",
           "a partially reused block still held by another request is appended to"),
+    Fault("stale_graph_pages", {"refresh_graph_pages": False, "backend": "fa2",
+                                "gen_table_width": "logical-device"}, "I2",
+          "TRT-LLM PR #18769", "a CUDA graph replays the kv_indices it was captured with "
+          "after the request grew a page"),
+    Fault("weak_block_hash", {"block_hash": "polynomial"}, "POOL",
+          "Megatron-LM #4158; vLLM #12621, #15297",
+          "a weak prefix hash collides: a request reuses another prompt's KV"),
 )}
 
 

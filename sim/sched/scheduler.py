@@ -119,6 +119,11 @@ class Scheduler:
         if not self.sc.scheduler.chunk_size and r.prefill_len > budget:
             return False
         match, hit = self.kv.match(r.tokens, r.prefill_len)
+        if self.kv.collision is not None:
+            b, pos = self.kv.collision
+            self.violations.append(Violation(
+                "POOL", step, r.rid, f"POOL step {step} req {r.rid}: prefix hash hit on block "
+                f"{b} whose content differs at position {pos}: the hash chain collides"))
         if self.sc.scheduler.policy == "guaranteed-no-evict" and not self._gne_fits(r, step):
             return False
         if not self.kv.admit(r.rid, match, r.prefill_len):

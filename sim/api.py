@@ -120,9 +120,10 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
     rng = np.random.default_rng(np.random.SeedSequence(sc.seed).spawn(4)[3])
     specs = iter_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
                           base_dir=base_dir)
-    writer = TraceWriter(out) if out is not None else None
-    sink = _Sink(sc, writer, StepChecker(model) if check else None, on_progress, collect)
+    writer = None
     try:
+        writer = TraceWriter(out) if out is not None else None
+        sink = _Sink(sc, writer, StepChecker(model) if check else None, on_progress, collect)
         detail = writer is not None or check
         eng = Engine(sc, sw, specs, sink, record_events=detail, detail=detail)
         eng.proc.on_request = sink.on_request

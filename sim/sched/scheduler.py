@@ -81,16 +81,19 @@ class Scheduler:
         return batch
 
     def _reserve_gen(self, r: Request, step: int) -> bool:
-        while not self.kv.reserve(r.rid, self.gen_reserve):
-            if self.sc.scheduler.policy == "guaranteed-no-evict":
-                # Admission promised this fits; it does not (under-reserved headroom). The engine
-                # launches anyway, as TRT-LLM would, and I1 reports the overrun.
-                return True
-            victim = self.running[-1]
+        if self.kv.reserve(r.rid, self.gen_reserve):
+            return True
+        if self.sc.scheduler.policy == "guaranteed-no-evict":
+            # Admission promised this fits; it does not (under-reserved headroom). The engine
+            # launches anyway, as TRT-LLM would, and I1 reports the overrun.
+            return True
+        # max-utilization: pause the newest running request (possibly r) and let r wait a step.
+        # The victim's blocks are released once no step of it is in flight, so retrying here
+        # could not succeed: that loop was a livelock (found by the soak and the sweeps).
+        victim = next((q for q in reversed(self.running) if not (q.pausing or q.finished)), None)
+        if victim is not None:
             self.preempt(victim)
-            if victim is r:
-                return False
-        return True
+        return False
 
     def _schedule_context(self, batch: Batch, budget: int, step: int) -> None:
         limit = self.sc.scheduler.max_batch_size

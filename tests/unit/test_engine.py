@@ -78,3 +78,20 @@ def test_reservation_arithmetic_i18_holds_on_a_long_mixed_run():
     sc, base = load_scenario(ROOT / "scenarios" / "mtp_rates.toml")
     res = run(sc, base_dir=base)
     assert res.violations == [] and res.summary["finished"] == res.summary["requests"]
+
+
+def test_regression_max_utilization_preemption_does_not_livelock():
+    """Found by the soak and the capacity sweeps: a failed reservation under max-utilization
+    preempted the same (already pausing) victim forever. Now the row waits a step and the
+    victim's blocks are released once nothing of it is in flight."""
+    sc = parse_scenario({
+        "seed": 3, "cache": {"tokens_per_block": 16, "num_blocks": 40, "reuse": "off"},
+        "scheduler": {"policy": "max-utilization", "max_batch_size": 16},
+        "spec": {"mode": "mtp", "max_draft_len": 3,
+                 "acceptance": {"kind": "rates", "rates": [0.8, 0.6, 0.4]}},
+        "workload": {"synthetic": {"num_requests": 24, "arrival": "poisson", "qps": 500.0,
+                                   "prompt_len": {"kind": "uniform", "min": 40, "max": 120},
+                                   "output_len": {"kind": "uniform", "min": 40, "max": 120}}}})
+    res = run(sc)
+    s = res.summary
+    assert s["preemptions"] > 0 and s["finished"] == 24 and res.violations == []

@@ -17,6 +17,11 @@ from sim.errors import ScenarioError
 from sim.workload import WorkloadConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+# What one run may allocate up front, whatever the single fields allow: the checker keeps ~17
+# bytes per KV slot (num_blocks * tokens_per_block) and the metadata builder one int per
+# block-table entry (max_batch_size * blocks_per_seq). Both are far past any real GPU's pool.
+MAX_KV_SLOTS = 2**26
+MAX_TABLE_ENTRIES = 2**24
 
 
 class ModelConfig(BaseModel):
@@ -122,7 +127,18 @@ class Scenario(BaseModel):
         if self.blocks_per_seq * self.cache.tokens_per_block < lim:
             raise ValueError("cache.max_blocks_per_seq * cache.tokens_per_block must cover "
                              f"limits.max_seq_len ({lim})")
+        self._sizes()
         return self
+
+    def _sizes(self) -> None:
+        slots = self.cache.num_blocks * self.cache.tokens_per_block
+        if slots > MAX_KV_SLOTS:
+            raise ValueError(f"cache.num_blocks * cache.tokens_per_block ({slots}) must be <= "
+                             f"{MAX_KV_SLOTS} KV slots")
+        table = self.scheduler.max_batch_size * self.blocks_per_seq
+        if table > MAX_TABLE_ENTRIES:
+            raise ValueError(f"scheduler.max_batch_size * cache.max_blocks_per_seq ({table}) "
+                             f"must be <= {MAX_TABLE_ENTRIES} block-table entries")
 
     @property
     def blocks_per_seq(self) -> int:
@@ -130,22 +146,38 @@ class Scenario(BaseModel):
         return self.cache.max_blocks_per_seq or -(-self.limits.max_seq_len // b) + 1
 
 
-def _format_error(path: str, err: ValidationError) -> str:
+def _format_error(path: str, err: ValidationError, data: object = None) -> str:
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+        loc = ".".join(_loc(e["loc"], data))
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         tail = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
         lines.append(f"{path}: {loc or 'scenario'}: {msg}{tail}")
-    return "\n".join(lines)
+    return "\n".join(dict.fromkeys(lines))
+
+
+def _loc(loc: tuple, data: object) -> list[str]:
+    """The field path as the file spells it: without validator names and without the tag a
+    discriminated union inserts (`spec.acceptance.rates.rates.0` -> `spec.acceptance.rates.0`)."""
+    out, node, tag = [], data, None
+    for p in loc:
+        if str(p).startswith("function-"):
+            continue
+        if isinstance(node, dict) and p not in node and node.get("kind") == p and tag is not node:
+            tag = node  # the union's tag (once per table), not a key of the file
+            continue
+        out.append(str(p))
+        node = node[p] if isinstance(node, dict) and p in node else (
+            node[p] if isinstance(node, list) and isinstance(p, int) and p < len(node) else None)
+    return out
 
 
 def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
     try:
         return Scenario.model_validate(data)
     except ValidationError as e:
-        raise ScenarioError(_format_error(source, e)) from None
+        raise ScenarioError(_format_error(source, e, data)) from None
 
 
 def load_scenario(path: str | Path) -> tuple[Scenario, Path]:

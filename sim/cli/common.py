@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -9,6 +10,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from sim.errors import KvsimError
 
@@ -17,13 +19,15 @@ err_console = Console(stderr=True)
 
 
 def fail(msg: str, code: int = 2) -> NoReturn:
-    err_console.print(f"[bold red]error:[/] {msg}", highlight=False, soft_wrap=True)
+    # escape: a message quoting "[workload.trace]" must not be eaten as rich markup.
+    err_console.print(f"[bold red]error:[/] {escape(msg)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
 @contextmanager
 def user_errors() -> Iterator[None]:
-    """Turn the project's own exceptions (and a user's ^C) into exit codes."""
+    """Turn the project's own exceptions (and a user's ^C or a SIGTERM) into exit codes."""
+    _terminate_as_interrupt()
     try:
         yield
     except KvsimError as e:
@@ -31,6 +35,18 @@ def user_errors() -> Iterator[None]:
     except KeyboardInterrupt:
         err_console.print("interrupted")
         raise typer.Exit(130) from None
+
+
+def _on_term(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def _terminate_as_interrupt() -> None:
+    """SIGTERM unwinds like ^C, so writers' abort handlers remove their temporary output."""
+    try:
+        signal.signal(signal.SIGTERM, _on_term)
+    except ValueError:  # not the main thread (e.g. a test runner's worker): leave it alone
+        pass
 
 
 def parse_switches(items: list[str]) -> dict[str, object]:

@@ -30,13 +30,19 @@ def run_cmd(
     max_violations: int = typer.Option(10, help="Violations to print."),
 ) -> None:
     """Simulate a scenario. Exit 0: no invariant fired; 1: one did; 2: bad input."""
-    from sim.api import load_scenario, run
+    from sim.api import load_scenario, run, switches_for
+    from sim.errors import ProfileError
 
     with user_errors():
         sc, base = load_scenario(scenario)
         if seed is not None:
             sc = sc.model_copy(update={"seed": seed})
         overrides = parse_switches(switch)
+        try:  # before anything is allocated or written, naming where the bad value came from
+            switches_for(sc, profile, overrides)
+        except ProfileError as e:
+            where = "--profile/--switch" if profile or overrides else "profile/switches"
+            raise ProfileError(f"{scenario}: {where}: {e}") from None
         with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                       TextColumn("{task.completed} steps"), TimeElapsedColumn(),
                       console=err_console, transient=True,

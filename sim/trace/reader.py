@@ -7,6 +7,7 @@ read, to compare with the one the writer computed while streaming.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,10 @@ from sim.trace.records import (
     StepRecord,
 )
 from sim.trace.schema import RECORDS, SCHEMAS, TABLES  # noqa: E402
+
+_TMP_NAME = re.compile(r"\.tmp-[0-9]+$")  # TraceWriter's DIR.tmp-<pid>
+# The checker allocates per KV slot and per block; the same bounds as a scenario's (sim.config).
+_MODEL_INTS = {"tokens_per_block": (1, 1024), "num_blocks": (1, 10_000_000)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +55,9 @@ def table_digest(tables: list[pa.Table]) -> str:
 def read_trace(path: str | Path) -> Trace:
     """Read and validate a trace directory. Raises TraceError naming the file and the problem."""
     root = Path(path)
+    if _TMP_NAME.search(root.name):
+        raise TraceError(f"{root}: a writer's temporary directory (an interrupted run), "
+                         "not a trace")
     if not root.is_dir():
         raise TraceError(f"{root}: trace directory does not exist")
     manifest = _read_manifest(root / "manifest.json")
@@ -78,10 +86,30 @@ def _read_manifest(file: Path) -> dict[str, Any]:
     if manifest.get("format_version") != FORMAT_VERSION:
         raise TraceError(f"{file}: format_version {manifest.get('format_version')!r}, this "
                          f"kvsim reads {FORMAT_VERSION}")
-    model = manifest.get("model")
-    if not isinstance(model, dict) or not {"tokens_per_block", "num_blocks"} <= model.keys():
-        raise TraceError(f"{file}: \"model\" must give tokens_per_block and num_blocks")
+    _check_model(file, manifest.get("model"))
+    if not isinstance(manifest.get("counts", {}), dict):
+        raise TraceError(f"{file}: \"counts\" must be an object of table -> rows")
+    if not isinstance(manifest.get("digest"), str):
+        raise TraceError(f"{file}: \"digest\" must be the sha256 hex string of the tables")
     return manifest
+
+
+def _check_model(file: Path, model: object) -> None:
+    """Refuse a model the checker cannot size, before it allocates anything."""
+    from sim.config import MAX_KV_SLOTS
+
+    if not isinstance(model, dict) or not _MODEL_INTS.keys() <= model.keys():
+        raise TraceError(f"{file}: \"model\" must give tokens_per_block and num_blocks")
+    for key, (lo, hi) in _MODEL_INTS.items():
+        v = model[key]
+        if type(v) is not int or not lo <= v <= hi:
+            raise TraceError(f"{file}: model.{key} must be an int in [{lo}, {hi}], got {v!r}")
+    if model["num_blocks"] * model["tokens_per_block"] > MAX_KV_SLOTS:
+        raise TraceError(f"{file}: model.num_blocks * model.tokens_per_block must be <= "
+                         f"{MAX_KV_SLOTS} KV slots")
+    if not isinstance(model.get("null_block", False), bool):
+        raise TraceError(f"{file}: model.null_block must be true or false, "
+                         f"got {model['null_block']!r}")
 
 
 def _read_table(file: Path, name: str) -> pa.Table:

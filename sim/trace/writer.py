@@ -7,6 +7,7 @@ leaves no directory a reader would accept.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -30,12 +31,35 @@ from sim.trace.schema import ROW_OF, SCHEMAS, TABLES
 _FLUSH = 1 << 13  # rows per record batch: bounds the buffered Python tuples
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale(out: Path) -> list[Path]:
+    """Remove `out.tmp-<pid>` left by killed writers (SIGKILL runs no cleanup); a live pid's
+    directory is another run in progress and is kept."""
+    gone = []
+    for p in out.parent.glob(f"{glob.escape(out.name)}.tmp-*"):
+        pid = p.name.rpartition(".tmp-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            gone.append(p)
+    return gone
+
+
 class TraceWriter:
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
         self.tmp = self.out.with_name(f"{self.out.name}.tmp-{os.getpid()}")
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
+        remove_stale(self.out)
         self.tmp.mkdir(parents=True)
         self.writers = {n: pq.ParquetWriter(self.tmp / f"{n}.parquet", SCHEMAS[n],
                                             compression="zstd") for n in TABLES}

@@ -33,6 +33,7 @@ res[["grid.cache.reuse", "prefix_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "kv_bl
      "output_tps"]]
 
 # %%
-fig, ax = plt.subplots(figsize=(5, 3), dpi=80)
-ax.bar(res["grid.cache.reuse"], res["ttft_p99_ms"])
-ax.set_ylabel("TTFT p99 (ms)"), ax.set_title("prefix reuse on Mooncake")
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(7, 2.8), dpi=80)
+a1.bar(res["grid.cache.reuse"], res["ttft_p99_ms"]), a1.set_ylabel("TTFT p99 (ms)")
+a2.bar(res["grid.cache.reuse"], 100 * res["prefix_hit_rate"]), a2.set_ylabel("prefix hit rate (%)")
+fig.suptitle("prefix reuse on Mooncake", fontsize=10), fig.tight_layout();

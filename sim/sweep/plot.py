@@ -16,17 +16,15 @@ def headline(spec: SweepSpec) -> str:
 
 
 def plot_sweep(table: pa.Table, spec: SweepSpec, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a bare Figure, not pyplot: the caller's backend (a notebook's inline one) is untouched
+        from matplotlib.figure import Figure
     except ImportError:
         return None
     y = headline(spec)
     keys = [f"grid.{k}" for k in spec.grid]
     rows = table.to_pylist()
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=90)
+    fig = Figure(figsize=(6, 3.6), dpi=90)
+    ax = fig.subplots()
     if not keys:
         ax.bar(["base"], [rows[0][y]])
     else:
@@ -47,6 +45,5 @@ def plot_sweep(table: pa.Table, spec: SweepSpec, path: Path) -> Path | None:
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
     fig.savefig(tmp)
-    plt.close(fig)
     os.replace(tmp, path)
     return path

@@ -129,3 +129,39 @@ def test_search_brackets_max_qps(tmp_path) -> None:
     assert res.computed == 2 * (2 + 4)  # both ends, then 4 bisection steps per point
     rerun = run_sweep(spec, base, tmp_path / "out", workers=1)
     assert rerun.computed == 0 and rerun.results.equals(res.results)
+
+
+@needs_api
+def test_points_are_capacity_runs_no_checker_no_trace(tmp_path, monkeypatch) -> None:
+    import sim.api
+    from sim.sweep import run_sweep
+
+    seen: list[tuple[bool, object]] = []
+    real = sim.api.run
+
+    def spy(sc, **kw):  # type: ignore[no-untyped-def]
+        seen.append((kw.get("check", True), kw.get("out")))
+        return real(sc, **kw)
+
+    monkeypatch.setattr(sim.api, "run", spy)
+    spec, base = write(tmp_path, '"overlap.enabled" = [true, false]')
+    run_sweep(spec, base, tmp_path / "out", workers=1)
+    assert seen == [(False, None), (False, None)]
+
+
+def test_plot_leaves_the_matplotlib_backend_alone(tmp_path) -> None:
+    mpl = pytest.importorskip("matplotlib")
+    import pyarrow as pa
+
+    from sim.sweep.plot import plot_sweep
+
+    before = mpl.get_backend()
+    mpl.use("svg")  # a notebook's inline backend stands in: plotting must not switch it to Agg
+    try:
+        spec = SweepSpec.model_validate({"base": "b.toml",
+                                         "grid": {"spec.max_draft_len": [1, 2]}})
+        table = pa.table({"grid.spec.max_draft_len": [1, 2], "goodput_rps": [1.0, 2.0]})
+        assert plot_sweep(table, spec, tmp_path / "s.png") == tmp_path / "s.png"
+        assert (tmp_path / "s.png").stat().st_size > 0 and mpl.get_backend() == "svg"
+    finally:
+        mpl.use(before)

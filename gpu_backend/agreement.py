@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,29 @@ from gpu_backend.driver import ReplayResult, max_ok_error
 from gpu_backend.oracle import DEFAULT_TOL
 from gpu_backend.run import run_replay, to_json
 from gpu_backend.tracedata import load_trace
+
+# Per fault scenario (trace name without .fault/.fixed): what the replay can and cannot show.
+NOTES = {
+    "plan_without_width": "stale decode plan (steps carry plan_q_len/plan_batch): emulated on "
+                          "FlashInfer (FA2 planned for the stale shape); the CPU reference has "
+                          "no plans, so reference all ok vs a FlashInfer verdict is a legitimate "
+                          "disagreement, not a miss",
+    "plan_keyed_by_batch": "host memory growth (a plan cache keyed by batch size, I14 / "
+                           "plan_cache_size), not a kernel access: no row verdict is expected "
+                           "(FlashInfer may still react to the stale plan shapes it records)",
+    "double_free": "single-request scenario: the twice-freed block is afterwards held by no "
+                   "request and not cached, so no kernel reads it; showing it needs a second "
+                   "request that is handed the block after the double free (scenario change)",
+    "draft_past_limit": "RoPE table of max_position_embeddings rows: the engine's K/Q at a "
+                        "position past it are NaN in both backends",
+    "free_in_flight": "worst legal timing: pages freed before the step's done event are refilled "
+                      "(poisoned) before the step runs",
+}
+
+
+def note(trace: str) -> str:
+    base, _, tag = trace.rpartition(".")
+    return NOTES.get(base, "") if tag == "fault" else ""
 
 
 def _bad(res: ReplayResult | None) -> dict[str, str]:
@@ -42,9 +66,12 @@ def _fmt(bad: dict[str, str] | None) -> str:
     return cell + (more if len(items) > 4 else "")
 
 
-def evaluate(traces: list[Path], backends: list[str], expected: dict[str, Any],
-             tol: float) -> list[dict[str, Any]]:
-    out = []
+def evaluate(traces: list[Path], backends: list[str], expected: dict[str, Any], tol: float,
+             on_row: Callable[[list[dict[str, Any]]], None] | None = None
+             ) -> list[dict[str, Any]]:
+    """One matrix row per trace; `on_row(rows so far)` after each (partial tables survive a
+    timeout)."""
+    out: list[dict[str, Any]] = []
     for t in traces:
         trace = load_trace(t)
         viol = sorted({f"{v[0]}@{v[1]}" for v in trace.violations})[:6]
@@ -62,6 +89,8 @@ def evaluate(traces: list[Path], backends: list[str], expected: dict[str, Any],
         row["agree"] = all(s == seen[0] for s in seen) and (
             row["expected"] is None or seen[0] == row["expected"])
         out.append(row)
+        if on_row:
+            on_row(out)
     return out
 
 
@@ -74,13 +103,15 @@ def markdown(rows: list[dict[str, Any]], backends: list[str], meta: dict[str, An
               "- measured noise (max |out - ref| over ok rows): "
               + ", ".join(f"{be} {v:.3g}" for be, v in noise.items()), "",
               "Cells list the rows that are not ok as (step,request) verdict.", "",
-              "| trace | rows | sim violations | expected | " + " | ".join(backends) + " | agree |",
-              "|---|---|---|---|" + "---|" * len(backends) + "---|"]
+              "| trace | rows | sim violations | expected | " + " | ".join(backends)
+              + " | agree | note |",
+              "|---|---|---|---|" + "---|" * len(backends) + "---|---|"]
     for r in rows:
         cells = [r["trace"], str(r["rows"]), ", ".join(r["violations"]) or "none",
                  "—" if r["expected"] is None else _fmt(r["expected"])]
         cells += [_fmt(r.get(be)) for be in backends]
-        lines.append("| " + " | ".join(cells) + " | " + ("yes" if r["agree"] else "**no**") + " |")
+        lines.append("| " + " | ".join(cells) + " | " + ("yes" if r["agree"] else "**no**")
+                     + " | " + note(r["trace"]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -95,13 +126,18 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     backends = a.backends.split(",")
     expected = json.loads(a.expected.read_text()) if a.expected else {}
-    rows = evaluate(a.traces, backends, expected, a.tol)
     meta: dict[str, Any] = {}
     if "flashinfer" in backends:
         from gpu_backend.calibrate import meta as gpu_meta
 
         meta = gpu_meta("python -m gpu_backend.agreement "
                         + " ".join(sys.argv[1:] if argv is None else argv))
+
+    def partial(done: list[dict[str, Any]]) -> None:
+        left = {"partial": f"{len(done)} of {len(a.traces)} traces (run cut short?)"}
+        a.out.write_text(markdown(done, backends, meta | left, a.tol))
+
+    rows = evaluate(a.traces, backends, expected, a.tol, on_row=partial)
     a.out.write_text(markdown(rows, backends, meta, a.tol))
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))

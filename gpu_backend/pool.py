@@ -34,16 +34,22 @@ def _coeffs(kind: int, heads: int, dim: int, device: str) -> tuple[torch.Tensor,
 
 
 def content(tokens: torch.Tensor, positions: torch.Tensor, kind: int, heads: int, dim: int,
-            dtype: torch.dtype) -> torch.Tensor:
+            dtype: torch.dtype, rope_rows: int | None = None) -> torch.Tensor:
     """K (kind 0), V (kind 1) or Q (kind 2) of tokens at positions.
 
     Args: tokens, positions: int64 [n] on the target device. Returns [n, heads, dim] in dtype.
+    rope_rows: rows of the engine's RoPE table (max_position_embeddings), engine side only. K and
+    Q are rotated through that table: a position >= rope_rows reads past its end, so that token's
+    K/Q is garbage, emulated as NaN (V is not rotated). The truth side passes None.
     """
     a, p, c = _coeffs(kind, heads, dim, str(tokens.device))
     t = tokens.to(torch.int64)[:, None, None] % _M
     q = positions.to(torch.int64)[:, None, None] % _M
     phase = (t * a + q * p + c) % _M
     x = torch.sin(phase.to(torch.float32) * (2 * math.pi / _M))
+    if rope_rows is not None and kind != 1:
+        x = torch.where((positions.to(torch.int64) >= rope_rows)[:, None, None],
+                        float("nan"), x)
     return (x * _Q_GAIN if kind == 2 else x).to(dtype)
 
 

@@ -28,6 +28,8 @@ class ModelShape:
     page_size: int
     num_blocks: int
     dtype: str
+    # rows of the engine's RoPE table (manifest model.max_position_embeddings; None: unbounded)
+    max_position: int | None = None
 
 
 @dataclass
@@ -103,7 +105,9 @@ def load_trace(path: str | Path) -> TraceData:
     tabs = _tables(path)
     mm = m["model"]
     model = ModelShape(int(mm["num_q_heads"]), int(mm["num_kv_heads"]), int(mm["head_dim"]),
-                       int(mm["tokens_per_block"]), int(mm["num_blocks"]), str(mm["dtype"]))
+                       int(mm["tokens_per_block"]), int(mm["num_blocks"]), str(mm["dtype"]),
+                       int(mm["max_position_embeddings"]) if "max_position_embeddings" in mm
+                       else None)
     if model.num_q_heads % model.num_kv_heads:
         raise TraceError(f"{path}: num_q_heads {model.num_q_heads} is not a multiple of "
                          f"num_kv_heads {model.num_kv_heads}")

@@ -1,0 +1,61 @@
+"""Catalog faults that reach GPU memory, replayed through the CPU reference: the faulty trace is
+confirmed (rows not ok where the simulator flags them), the fixed trace stays all ok."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_backend.driver import in_flight_poison
+from gpu_backend.oracle import DEFAULT_TOL
+from gpu_backend.pool import content
+from gpu_backend.run import run_replay
+from gpu_backend.tracedata import load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _trace(tmp: Path, fault: str, faulty: bool) -> Path:
+    from sim.api import load_scenario, run
+
+    sc, base = load_scenario(ROOT / "scenarios" / "faults" / f"{fault}.toml")
+    profile = f"trtllm-post-17264+{fault}" if faulty else "trtllm-post-17264"
+    out = tmp / f"{fault}.{'fault' if faulty else 'fixed'}"
+    run(sc, out=out, profile=profile, base_dir=base)
+    return out
+
+
+def _bad(trace: Path) -> dict[tuple[int, int], str]:
+    res = run_replay(trace, "reference", DEFAULT_TOL)
+    return {(r.step, r.request): r.verdict for r in res.rows if r.verdict != "ok"}
+
+
+@pytest.mark.parametrize(("fault", "bad"), [
+    ("draft_past_limit", {(4, 0): "nan", (5, 0): "nan"}),  # the I16 steps: RoPE past the table
+    ("free_in_flight", {(2, 0): "nan"}),  # the I17 step: its pages refilled while in flight
+])
+def test_memory_faults_are_confirmed_and_their_fix_is_clean(tmp_path: Path, fault: str,
+                                                            bad: dict[tuple[int, int], str]
+                                                            ) -> None:
+    faulty = _trace(tmp_path, fault, True)
+    assert {(v[1], v[2]) for v in load_trace(faulty).violations} >= set(bad)
+    assert _bad(faulty) == bad
+    assert _bad(_trace(tmp_path, fault, False)) == {}
+
+
+def test_a_free_after_the_done_event_is_not_in_flight(tmp_path: Path) -> None:
+    fixed = load_trace(_trace(tmp_path, "free_in_flight", False))
+    assert in_flight_poison(fixed).before_step == {}
+    faulty = load_trace(_trace(tmp_path, "free_in_flight", True))
+    assert in_flight_poison(faulty).before_step == {2: [0]}
+
+
+def test_rope_past_the_table_is_nan_for_k_and_q_only() -> None:
+    tok, pos = torch.tensor([5, 6, 7]), torch.tensor([62, 63, 64])
+    for kind in (0, 2):
+        x = content(tok, pos, kind, 2, 8, torch.bfloat16, rope_rows=64)
+        assert not x[:2].isnan().any() and x[2].isnan().all()
+        assert torch.equal(x[:2], content(tok, pos, kind, 2, 8, torch.bfloat16)[:2])
+    assert not content(tok, pos, 1, 2, 8, torch.bfloat16, rope_rows=64).isnan().any()

@@ -14,6 +14,7 @@ from sim.check import StepChecker
 from sim.check.registry import LAUNCH_ORDER
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
+from sim.errors import ProfileError
 from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
@@ -44,7 +45,9 @@ class RunResult:
 def switches_for(sc: Scenario, profile: str | None = None,
                  overrides: dict[str, object] | None = None) -> tuple[str, Switches]:
     name = profile or sc.profile
-    return name, resolve_profile(name, {**sc.switches, **(overrides or {})})
+    sw = resolve_profile(name, {**sc.switches, **(overrides or {})})
+    _supported(sc, sw, name)
+    return name, sw
 
 
 class _Sink:
@@ -154,6 +157,16 @@ _RANK = {inv: i for i, inv in enumerate(("I19", "LIVENESS") + LAUNCH_ORDER + ("I
 def _order(v: Violation) -> tuple[int, int, int]:
     """Step first, then the checker's order, in which the first invariant is the root cause."""
     return v.step, _RANK.get(v.invariant, len(_RANK)), v.request
+
+
+def _supported(sc: Scenario, sw: Switches, name: str) -> None:
+    """Combinations a profile's engine does not have are input errors, not false alarms."""
+    if sc.spec.mode == "mtp" and sc.spec.extra_kv_tokens and sw.gen_table_width != "reserved":
+        raise ProfileError(
+            f"spec.extra_kv_tokens = {sc.spec.extra_kv_tokens} needs a generation page table that "
+            f"exposes the reserved pages (gen_table_width = reserved); profile {name!r} sizes "
+            f"rows to the logical length ({sw.gen_table_width}), so draft-layer KV has nowhere "
+            "to go (vLLM keeps draft KV in its own cache group)")
 
 
 def _sw_dict(sw: Switches) -> dict:

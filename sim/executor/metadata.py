@@ -64,7 +64,7 @@ class MetadataBuilder:
         nb = {"reserved": max(logical, A), "logical-host": logical,
               "logical-device": _cdiv(L, self.B)}[self.sw.gen_table_width]
         return {"cached_host": cached_host, "kv_len_host": kv_len_host, "L": L, "nb": nb,
-                "append": base, "nwrite": W + self.extra}
+                "append": base, "nwrite": W + (self.extra if W > 1 else 0)}
 
     def ctx_lengths(self, start: int, chunk: int) -> dict:
         L = start + chunk

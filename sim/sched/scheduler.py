@@ -59,8 +59,16 @@ class Scheduler:
         if not self.sw.draft_clamp:
             return d
         # Host upper bound on the device's committed count: the in-flight step may accept all.
-        committed_max = r.n_host - 1 + (self.gen_reserve if r.inflight else 0)
-        return min(d, self.max_pos - committed_max - self.extra - 1)
+        committed_max = r.n_host - 1 + (1 + self.D if r.inflight else 0)
+        room = self.max_pos - committed_max  # writable positions from committed_max on
+        if room < 1:
+            return -1  # not even the bonus token fits: wait for the in-flight step
+        if d and 1 + d + self.extra > room:
+            # Shrink the drafts; with none left the draft layers write no extra KV either, so a
+            # plain decode step always fits (found by the fuzzer: a request at the limit
+            # with extra draft KV was skipped forever).
+            d = max(0, room - 1 - self.extra)
+        return d
 
     # -- the step ---------------------------------------------------------------------------
     def schedule(self, step: int) -> Batch:

@@ -95,3 +95,28 @@ def test_regression_max_utilization_preemption_does_not_livelock():
     res = run(sc)
     s = res.summary
     assert s["preemptions"] > 0 and s["finished"] == 24 and res.violations == []
+
+
+def test_regression_a_request_at_the_position_limit_with_draft_kv_still_finishes():
+    """Found by the fuzzer (tests/regressions): with spec.extra_kv_tokens, the draft clamp left
+    no schedulable width one token before max_seq_len and the request was skipped forever
+    (I17 never freed, LIVENESS). With no drafts left the draft layers write no extra KV."""
+    sc = parse_scenario({
+        "cache": {"tokens_per_block": 16, "num_blocks": 4, "reuse": "off"},
+        "spec": {"mode": "mtp", "max_draft_len": 2, "extra_kv_tokens": 2,
+                 "acceptance": {"kind": "forced", "accepted": [2]}},
+        "model": {"max_position_embeddings": 31}, "limits": {"max_seq_len": 31},
+        "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 16, "output_len": 15}]}})
+    res = run(sc)
+    assert res.violations == [] and res.summary["finished"] == 1
+
+
+def test_draft_kv_needs_a_profile_whose_table_exposes_reserved_pages():
+    import pytest
+
+    from sim.errors import ProfileError
+    sc = parse_scenario({
+        "spec": {"mode": "mtp", "max_draft_len": 2, "extra_kv_tokens": 1},
+        "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 8, "output_len": 4}]}})
+    with pytest.raises(ProfileError, match="extra_kv_tokens = 1 needs a generation page table"):
+        run(sc, profile="vllm-v1")

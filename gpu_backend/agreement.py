@@ -29,9 +29,8 @@ NOTES = {
     "plan_keyed_by_batch": "host memory growth (a plan cache keyed by batch size, I14 / "
                            "plan_cache_size), not a kernel access: no row verdict is expected "
                            "(FlashInfer may still react to the stale plan shapes it records)",
-    "double_free": "single-request scenario: the twice-freed block is afterwards held by no "
-                   "request and not cached, so no kernel reads it; showing it needs a second "
-                   "request that is handed the block after the double free (scenario change)",
+    "double_free": "the second free lands on a block that stays cached; the next request with "
+                   "the same prompt reuses it and reads the poisoned pages",
     "draft_past_limit": "RoPE table of max_position_embeddings rows: the engine's K/Q at a "
                         "position past it are NaN in both backends",
     "free_in_flight": "worst legal timing: pages freed before the step's done event are refilled "

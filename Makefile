@@ -33,3 +33,9 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# Benchmarks write bench/results/*.json (bench/README.md); they take minutes, not seconds.
+bench-all: $(STAMP)
+	$(BIN)/python bench/run.py
+	$(BIN)/python bench/memory.py --requests 100000
+	$(BIN)/python bench/fuzz_ttf.py

@@ -86,6 +86,7 @@ class Engine:
 
     def _loop(self):  # type: ignore[no-untyped-def]
         prev: Launched | None = None
+        free_at_stall = -1  # pool state when nothing could be scheduled last time
         while True:
             self._arrive(self.env.now)
             t_sched = self.env.now
@@ -98,6 +99,11 @@ class Engine:
                 elif self.next_spec is not None:
                     yield self.env.timeout(max(0, self.next_spec.arrival_ns - self.env.now))
                 elif self._alive():
+                    if self.kv.pool.num_free != free_at_stall:
+                        # a preemption just released blocks: scheduling again may succeed
+                        # (found by the fuzzer: vLLM-style self-preemption looked like a stall)
+                        free_at_stall = self.kv.pool.num_free
+                        continue
                     self.proc.stalled(self.step)
                     return
                 else:

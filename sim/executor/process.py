@@ -43,8 +43,12 @@ class Processor:
         eng.sched.waiting.append(r)
 
     def _unservable(self, r: Request) -> bool:
-        sc, B = self.eng.sc, self.eng.B
-        need = -(-(r.prompt_len + 1) // B)
+        """A request that could not complete even alone on an empty pool is rejected on arrival:
+        admitted, it would stall the FCFS queue (guaranteed-no-evict) or preempt itself forever
+        (max-utilization) — both found by the fuzzer."""
+        sc = self.eng.sc
+        sched = self.eng.sched
+        need = sched.blocks_to_completion(r, sched.reach_headroom())
         too_long = r.prompt_len >= sc.limits.max_seq_len
         no_chunk = not sc.scheduler.chunk_size and r.prompt_len > sc.scheduler.max_num_tokens
         return too_long or no_chunk or need > self.eng.kv.pool.num_usable

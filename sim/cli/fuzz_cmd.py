@@ -1,0 +1,124 @@
+"""`kvsim fuzz --profile P`: a hypothesis campaign that shrinks the first violation to a file.
+
+Exit 0: the budget ended with no violation; 1: a violation was found, shrunk and written to
+--out (with the command that reproduces it); 2: bad input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from sim.cli.common import console, err_console, fail, user_errors
+
+
+def register(app: typer.Typer) -> None:
+    app.command("fuzz")(fuzz_cmd)
+
+
+def fuzz_cmd(
+    profile: str = typer.Option(..., "--profile", "-p",
+                                help="Engine profile, e.g. trtllm-post-17264 or BASE+FAULT."),
+    budget: float = typer.Option(60.0, "--budget", help="Seconds to search before giving up."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the search's random streams."),
+    out: Path = typer.Option(Path("fuzz-out"), "--out", "-o",
+                             help="Folder for the shrunk scenario.toml and finding.json."),
+    workers: int = typer.Option(1, "--workers", "-j",
+                                help="Processes sharing one example database (0 = all cores)."),
+    db: Path = typer.Option(None, "--db",
+                            help="Example database folder; rerun with it to resume "
+                                 "(saved failures replay first). Default: .hypothesis/kvsim-fuzz."),
+    ignore: list[str] = typer.Option([], "--ignore",
+                                     help="Invariant (or 'hang'/'crash') not to count: a known "
+                                          "bug the campaign should look past. Repeatable."),
+    baseline: str = typer.Option(None, "--baseline",
+                                 help="Count only violations this profile does not also show "
+                                      "(e.g. fuzz BASE+FAULT with --baseline BASE)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    """Search generated scenarios for an invariant violation under PROFILE."""
+    from sim.fuzz.parallel import run_campaign
+
+    cfg = _validate(profile, budget, seed, out, workers, db, ignore, baseline)
+    with user_errors():
+        if as_json or not err_console.is_terminal:
+            finding, prog = run_campaign(cfg)
+        else:
+            with Live(_table(cfg.profile, None), console=err_console,
+                      refresh_per_second=4) as live:
+                finding, prog = run_campaign(cfg,
+                                             lambda p: live.update(_table(cfg.profile, p)))
+                live.update(_table(cfg.profile, prog))
+    _finish(finding, prog, cfg, out, as_json)
+
+
+def _validate(profile: str, budget: float, seed: int, out: Path, workers: int,
+              db: Path | None, ignore: list[str], baseline: str | None
+              ):  # type: ignore[no-untyped-def]
+    from sim.check.registry import INVARIANTS
+    from sim.fuzz.parallel import CampaignConfig
+    from sim.profiles import resolve_profile
+
+    with user_errors():
+        resolve_profile(profile)  # unknown profile/fault: exit 2 before any work
+        if baseline is not None:
+            resolve_profile(baseline)
+    known = {*INVARIANTS, "POOL", "LIVENESS", "hang", "crash"}
+    for name in ignore:
+        if name not in known:
+            fail(f"--ignore {name!r} is not an invariant; known: {', '.join(sorted(known))}")
+    if not budget > 0:
+        fail(f"--budget must be > 0 seconds, got {budget}")
+    if seed < 0:
+        fail(f"--seed must be >= 0, got {seed}")
+    if workers < 0:
+        fail(f"--workers must be >= 0, got {workers}")
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} exists and is not a folder")
+    # Not inside OUT: a finding replaces OUT whole, and the database must outlive it.
+    db = db if db is not None else Path(".hypothesis/kvsim-fuzz")
+    if db.exists() and not db.is_dir():
+        fail(f"--db {db} exists and is not a folder")
+    return CampaignConfig(profile, budget, seed, workers or os.cpu_count() or 1, db,
+                          frozenset(ignore), baseline)
+
+
+def _table(profile: str, p) -> Table:  # type: ignore[no-untyped-def]
+    t = Table(title=f"kvsim fuzz · {profile}", show_header=False, title_justify="left")
+    if p is None:
+        t.add_row("status", "starting")
+        return t
+    rate = p.examples / p.elapsed if p.elapsed > 0 else 0.0
+    t.add_row("examples", f"{p.examples} ({rate:.0f}/s, {len(p.per_worker)} workers)")
+    t.add_row("distinct paths", str(len(p.paths)))
+    t.add_row("best target", f"{p.best_target:.3f} peak KV utilisation")
+    t.add_row("elapsed", f"{p.elapsed:.1f} s")
+    return t
+
+
+def _finish(finding, prog, cfg, out: Path, as_json: bool) -> None:  # type: ignore[no-untyped-def]
+    from sim.fuzz.finding import finding_record, repro_command, write_finding
+
+    summary = {"profile": cfg.profile, "examples": prog.examples,
+               "paths": len(prog.paths), "best_target": round(prog.best_target, 4)}
+    if finding is None:
+        if as_json:
+            console.print_json(json.dumps({**summary, "finding": None}))
+        else:
+            console.print(f"clean: {prog.examples} examples, {len(prog.paths)} distinct paths, "
+                          f"no invariant violated under {cfg.profile}")
+        raise typer.Exit(0)
+    path = write_finding(finding, out)
+    if as_json:
+        console.print_json(json.dumps({**summary, "finding": finding_record(finding),
+                                       "scenario": str(path)}))
+    else:
+        console.print(f"[red]{finding.hit.invariant}[/]: {finding.hit.message}", highlight=False)
+        console.print(f"shrunk scenario: {path}", highlight=False)
+        console.print(f"reproduce: {repro_command(out, cfg.profile)}", highlight=False)
+    raise typer.Exit(1)

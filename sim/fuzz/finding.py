@@ -1,0 +1,60 @@
+"""Write a shrunk finding to disk: `scenario.toml` (reproduces it) and `finding.json`.
+
+The output folder is built in a temporary sibling and moved into place with `os.replace`, so a
+reader never sees half a finding, and a campaign killed mid-write leaves the old one intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from sim.fuzz.campaign import Finding
+from sim.fuzz.toml_out import dumps
+
+
+def scenario_with_profile(f: Finding) -> dict[str, Any]:
+    return {"seed": f.scenario.get("seed", 0), "profile": f.profile,
+            **{k: v for k, v in f.scenario.items() if k not in ("seed", "profile")}}
+
+
+def repro_command(out: Path, profile: str) -> str:
+    return f"kvsim run {out / 'scenario.toml'} --profile {profile}"
+
+
+def finding_record(f: Finding) -> dict[str, Any]:
+    return {"invariant": f.hit.invariant, "message": f.hit.message, "profile": f.profile,
+            "seed": f.seed, "examples": f.examples, "found_after_s": round(f.found_s, 3),
+            "shrunk_after_s": round(f.shrunk_s, 3),
+            "requests": len(f.scenario["workload"]["requests"])}
+
+
+def write_finding(f: Finding, out: Path) -> Path:
+    """Write the finding to folder `out` (replaced if present). Returns the scenario path."""
+    header = (f"Found by `kvsim fuzz --profile {f.profile} --seed {f.seed}` "
+              f"(shrunk after {f.examples} examples).\n"
+              f"{f.hit.invariant}: {f.hit.message}\n"
+              f"Reproduce: {repro_command(out, f.profile)}")
+    out = out.absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        (tmp / "scenario.toml").write_text(dumps(scenario_with_profile(f), header))
+        (tmp / "finding.json").write_text(json.dumps(finding_record(f), indent=2) + "\n")
+        if out.exists():
+            # os.replace cannot replace a non-empty folder: move the old one aside first.
+            old = out.with_name(f".{out.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out / "scenario.toml"

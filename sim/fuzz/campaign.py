@@ -189,6 +189,7 @@ class Search:
             hit, _ = self.goal.hit(sc)
             assert hit is not None, "shrunk example no longer fails; the simulator is not " \
                                     "deterministic (a bug in kvsim)"
+            sc, hit = drop_requests(self.goal, sc, hit)
             return Finding(hit, self.profile, self.seed, sc, self.stats.examples,
                            self.found_at or 0.0, time.monotonic() - self.t0)
         self._report(force=True)
@@ -226,6 +227,22 @@ def find_saved(condition: Callable[[dict[str, Any]], bool], s: settings, seed: i
     except _Found:
         return last[0]
     raise NoSuchExample("kvsim scenario")
+
+
+def drop_requests(goal: Goal, sc: dict[str, Any], hit: Hit) -> tuple[dict[str, Any], Hit]:
+    """Greedy pass after hypothesis's shrink: remove whole requests while the same invariant
+    still fires. Hypothesis shrinks a list from its end and can stall at a local minimum where
+    a request in the middle is the one not needed."""
+    reqs = sc.get("workload", {}).get("requests") or []
+    i = 0
+    while len(reqs) > 1 and i < len(reqs):
+        trial = {**sc, "workload": {**sc["workload"], "requests": reqs[:i] + reqs[i + 1:]}}
+        got, _ = goal.hit(trial)
+        if got is not None and got.invariant == hit.invariant:
+            sc, hit, reqs = trial, got, trial["workload"]["requests"]
+        else:
+            i += 1
+    return sc, hit
 
 
 def database_key(profile: str) -> bytes:

@@ -49,6 +49,7 @@ class Finding:
     examples: int
     found_s: float  # time to the first failing example (before shrinking)
     shrunk_s: float  # time to the shrunk one
+    found_example: int = 0  # how many examples ran up to the first failing one (1: replayed)
 
 
 @dataclass
@@ -147,6 +148,7 @@ class Search:
         self.stats = Stats()
         self.t0 = time.monotonic()
         self.found_at: float | None = None
+        self.found_example = 0
         self._last_report = 0.0
 
     def condition(self, sc: dict[str, Any]) -> bool:
@@ -162,6 +164,7 @@ class Search:
             self.stats.best_target = max(self.stats.best_target, value)
         if hit is not None and self.found_at is None:
             self.found_at = time.monotonic() - self.t0
+            self.found_example = self.stats.examples
         self._report()
         return hit is not None
 
@@ -191,7 +194,7 @@ class Search:
                                     "deterministic (a bug in kvsim)"
             sc, hit = drop_requests(self.goal, sc, hit)
             return Finding(hit, self.profile, self.seed, sc, self.stats.examples,
-                           self.found_at or 0.0, time.monotonic() - self.t0)
+                           self.found_at or 0.0, time.monotonic() - self.t0, self.found_example)
         self._report(force=True)
         return None
 

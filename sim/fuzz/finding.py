@@ -29,6 +29,7 @@ def repro_command(out: Path, profile: str) -> str:
 def finding_record(f: Finding) -> dict[str, Any]:
     return {"invariant": f.hit.invariant, "message": f.hit.message, "profile": f.profile,
             "seed": f.seed, "examples": f.examples, "found_after_s": round(f.found_s, 3),
+            "found_at_example": f.found_example,
             "shrunk_after_s": round(f.shrunk_s, 3),
             "requests": len(f.scenario["workload"]["requests"])}
 

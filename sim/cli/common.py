@@ -42,9 +42,12 @@ def _on_term(signum: int, frame: object) -> None:
 
 
 def _terminate_as_interrupt() -> None:
-    """SIGTERM unwinds like ^C, so writers' abort handlers remove their temporary output."""
+    """SIGTERM and SIGINT unwind like ^C, so writers' abort handlers remove their temporary
+    output. SIGINT is set explicitly: a process started in the background of a non-interactive
+    shell inherits it ignored, and Python then never raises KeyboardInterrupt (seen in CI)."""
     try:
         signal.signal(signal.SIGTERM, _on_term)
+        signal.signal(signal.SIGINT, _on_term)
     except ValueError:  # not the main thread (e.g. a test runner's worker): leave it alone
         pass
 

@@ -32,6 +32,8 @@ from sim.fuzz.strategies import scenario_dicts
 HANG_S = 0.5
 HANG_CONFIRM_S = 5.0
 BATCH = 300  # examples per find(): long enough for hypothesis to mutate, short enough to stop
+MAX_REQUESTS = 3  # a finding this small is done; larger ones search on for up to SMALLER_S
+SMALLER_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class Search:
         self.t0 = time.monotonic()
         self.found_at: float | None = None
         self.found_example = 0
+        self._smaller_until = 0.0
         self._last_report = 0.0
 
     def condition(self, sc: dict[str, Any]) -> bool:
@@ -178,25 +181,37 @@ class Search:
         # Warm-up: the first run pays for lazy imports, which must not look like a hang.
         evaluate({"workload": {"requests": [{"arrival_ns": 0, "prompt_len": 1,
                                              "output_len": 1}]}}, self.profile, HANG_CONFIRM_S)
-        batch = 0
+        batch, best = 0, None
         while time.monotonic() < deadline:
             rnd = Random(f"kvsim-fuzz:{self.seed}:{self.worker}:{batch}")  # str seed: stable
+            batch += 1
+            cond = self.condition if best is None else self._fewer(_num_requests(best[0]))
             try:
-                sc = find_saved(self.condition, self._settings(), rnd.getrandbits(64),
+                sc = find_saved(cond, self._settings(), rnd.getrandbits(64),
                                 database_key(self.profile))
             except (NoSuchExample, FlakyFailure):
                 # Flaky: a "hang" that did not repeat under load; the batch is spent either way.
-                batch += 1
+                if best is not None and time.monotonic() > self._smaller_until:
+                    break
                 continue
             self._report(force=True)
             hit, _ = self.goal.hit(sc)
             assert hit is not None, "shrunk example no longer fails; the simulator is not " \
                                     "deterministic (a bug in kvsim)"
-            sc, hit = drop_requests(self.goal, sc, hit)
-            return Finding(hit, self.profile, self.seed, sc, self.stats.examples,
-                           self.found_at or 0.0, time.monotonic() - self.t0, self.found_example)
+            best = drop_requests(self.goal, sc, hit)
+            if _num_requests(best[0]) <= MAX_REQUESTS:
+                break
+            # Shrinking stopped at a local minimum with many requests: search a little longer
+            # for a failure with fewer (another shape often reaches 2).
+            self._smaller_until = min(deadline, time.monotonic() + SMALLER_S)
         self._report(force=True)
-        return None
+        if best is None:
+            return None
+        return Finding(best[1], self.profile, self.seed, best[0], self.stats.examples,
+                       self.found_at or 0.0, time.monotonic() - self.t0, self.found_example)
+
+    def _fewer(self, n: int) -> Callable[[dict[str, Any]], bool]:
+        return lambda sc: _num_requests(sc) < n and self.condition(sc)
 
     def _settings(self) -> settings:
         return settings(database=self.db, max_examples=BATCH, deadline=None,
@@ -230,6 +245,10 @@ def find_saved(condition: Callable[[dict[str, Any]], bool], s: settings, seed: i
     except _Found:
         return last[0]
     raise NoSuchExample("kvsim scenario")
+
+
+def _num_requests(sc: dict[str, Any]) -> int:
+    return len(sc.get("workload", {}).get("requests") or [])
 
 
 def drop_requests(goal: Goal, sc: dict[str, Any], hit: Hit) -> tuple[dict[str, Any], Hit]:

@@ -30,6 +30,9 @@ class Request:
     committed: int = 0  # device truth: slots holding accepted tokens
     n_host: int = 0  # N: tokens the host knows (prompt + processed outputs)
     inflight: list[int] = field(default_factory=list)  # steps launched, not yet processed
+    # steps launched before a preemption whose results belong to the old admission (only when
+    # a faulty profile frees and requeues a request while a step of it is in flight)
+    discard: set[int] = field(default_factory=set)
     last_ctx_step: int = -1  # step of the final context chunk
     prev_new_tokens: int = -1  # device truth of the last launched step's committed tokens
     gen_steps: int = 0

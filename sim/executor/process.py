@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sim.request import Request, State
-from sim.trace.records import RequestRecord, Violation
+from sim.trace.records import RequestRecord, RowRecord, Violation
 from sim.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -60,12 +60,15 @@ class Processor:
         for row in done.rows:
             r = self.eng.requests[row.request]
             r.inflight.remove(done.step)
+            if done.step in r.discard:  # launched for an admission that was since preempted
+                r.discard.discard(done.step)
+                continue
             if not (r.finished or r.freed or r.pausing):
                 self._apply(r, row, now)
             self._maybe_release(r, now)
         self.last_processed = done.step
 
-    def _apply(self, r: Request, row, now: int) -> None:  # type: ignore[no-untyped-def]
+    def _apply(self, r: Request, row: RowRecord, now: int) -> None:
         eng, kv = self.eng, self.eng.kv
         if row.phase == "gen":
             r.n_host += row.new_tokens

@@ -167,6 +167,7 @@ class Scheduler:
 
     def requeue(self, r: Request) -> None:
         self.running.remove(r)
+        r.discard.update(r.inflight)
         r.state, r.pausing, r.freed = State.WAITING, False, False
         r.prefill_len, r.ctx_pos, r.committed = r.n_host, 0, 0
         r.prev_new_tokens, r.last_ctx_step = -1, -1

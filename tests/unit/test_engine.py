@@ -120,3 +120,20 @@ def test_draft_kv_needs_a_profile_whose_table_exposes_reserved_pages():
         "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 8, "output_len": 4}]}})
     with pytest.raises(ProfileError, match="extra_kv_tokens = 1 needs a generation page table"):
         run(sc, profile="vllm-v1")
+
+
+def test_regression_a_preemption_freed_in_flight_does_not_apply_stale_results():
+    """Under free_in_flight, a preempted request is freed and requeued while a step of it is
+    in flight; processing that step later applied its results to the new admission (KeyError in
+    the KV manager). Those results now belong to the old admission and are dropped."""
+    sc = parse_scenario({
+        "seed": 3, "cache": {"tokens_per_block": 16, "num_blocks": 40, "reuse": "off"},
+        "scheduler": {"policy": "max-utilization", "max_batch_size": 16},
+        "spec": {"mode": "mtp", "max_draft_len": 3,
+                 "acceptance": {"kind": "rates", "rates": [0.8, 0.6, 0.4]}},
+        "workload": {"synthetic": {"num_requests": 24, "arrival": "poisson", "qps": 500.0,
+                                   "prompt_len": {"kind": "uniform", "min": 40, "max": 120},
+                                   "output_len": {"kind": "uniform", "min": 40, "max": 120}}}})
+    res = run(sc, profile="trtllm-post-17264+free_in_flight")
+    assert res.summary["finished"] == 24 and res.summary["preemptions"] > 0
+    assert res.violations[0].invariant == "I17"

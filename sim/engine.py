@@ -109,6 +109,7 @@ class Engine:
                 else:
                     return
                 continue
+            free_at_stall = -1  # progress: a later empty attempt starts a fresh stall check
             yield self.env.timeout(self.cost.host_ns(len(batch), 0))
             cur = self._launch(batch, t_sched)
             if self.overlap:

@@ -10,7 +10,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from sim.config import Scenario
-from sim.kv import KVManager
+from sim.kv import KVManager, PrefixMatch
 from sim.profiles import Switches
 from sim.request import Request, State
 from sim.trace.records import Violation
@@ -138,7 +138,14 @@ class Scheduler:
         if self.sc.scheduler.policy == "guaranteed-no-evict" and not self._gne_fits(r, step):
             return False
         if not self.kv.admit(r.rid, match, r.prefill_len):
-            return False
+            if match.partial_src < 0:
+                return False
+            # The copy target needs a block while its source is held: on a pool with no room
+            # for that, reuse only the full blocks (found by the fuzzer: a request that fits an
+            # empty pool waited forever for the transient extra block).
+            match, hit = PrefixMatch(match.full, match.hashes), len(match.full) * self.B
+            if not self.kv.admit(r.rid, match, r.prefill_len):
+                return False
         r.state, r.ctx_pos, r.committed = State.CONTEXT, hit, hit
         r.reused_tokens = max(r.reused_tokens, hit)
         return True

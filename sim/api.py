@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -170,7 +170,6 @@ def _supported(sc: Scenario, sw: Switches, name: str) -> None:
 
 
 def _sw_dict(sw: Switches) -> dict:
-    from dataclasses import asdict
     return asdict(sw)
 
 

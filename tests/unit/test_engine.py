@@ -80,11 +80,9 @@ def test_reservation_arithmetic_i18_holds_on_a_long_mixed_run():
     assert res.violations == [] and res.summary["finished"] == res.summary["requests"]
 
 
-def test_regression_max_utilization_preemption_does_not_livelock():
-    """Found by the soak and the capacity sweeps: a failed reservation under max-utilization
-    preempted the same (already pausing) victim forever. Now the row waits a step and the
-    victim's blocks are released once nothing of it is in flight."""
-    sc = parse_scenario({
+def preempting():  # type: ignore[no-untyped-def]
+    """24 MTP requests burst onto a 40-block pool under max-utilization: preemption happens."""
+    return parse_scenario({
         "seed": 3, "cache": {"tokens_per_block": 16, "num_blocks": 40, "reuse": "off"},
         "scheduler": {"policy": "max-utilization", "max_batch_size": 16},
         "spec": {"mode": "mtp", "max_draft_len": 3,
@@ -92,6 +90,13 @@ def test_regression_max_utilization_preemption_does_not_livelock():
         "workload": {"synthetic": {"num_requests": 24, "arrival": "poisson", "qps": 500.0,
                                    "prompt_len": {"kind": "uniform", "min": 40, "max": 120},
                                    "output_len": {"kind": "uniform", "min": 40, "max": 120}}}})
+
+
+def test_regression_max_utilization_preemption_does_not_livelock():
+    """Found by the soak and the capacity sweeps: a failed reservation under max-utilization
+    preempted the same (already pausing) victim forever. Now the row waits a step and the
+    victim's blocks are released once nothing of it is in flight."""
+    sc = preempting()
     res = run(sc)
     s = res.summary
     assert s["preemptions"] > 0 and s["finished"] == 24 and res.violations == []
@@ -126,14 +131,7 @@ def test_regression_a_preemption_freed_in_flight_does_not_apply_stale_results():
     """Under free_in_flight, a preempted request is freed and requeued while a step of it is
     in flight; processing that step later applied its results to the new admission (KeyError in
     the KV manager). Those results now belong to the old admission and are dropped."""
-    sc = parse_scenario({
-        "seed": 3, "cache": {"tokens_per_block": 16, "num_blocks": 40, "reuse": "off"},
-        "scheduler": {"policy": "max-utilization", "max_batch_size": 16},
-        "spec": {"mode": "mtp", "max_draft_len": 3,
-                 "acceptance": {"kind": "rates", "rates": [0.8, 0.6, 0.4]}},
-        "workload": {"synthetic": {"num_requests": 24, "arrival": "poisson", "qps": 500.0,
-                                   "prompt_len": {"kind": "uniform", "min": 40, "max": 120},
-                                   "output_len": {"kind": "uniform", "min": 40, "max": 120}}}})
+    sc = preempting()
     res = run(sc, profile="trtllm-post-17264+free_in_flight")
     assert res.summary["finished"] == 24 and res.summary["preemptions"] > 0
     assert res.violations[0].invariant == "I17"

@@ -133,7 +133,10 @@ class KVManager:
             self.pool.release(self.blocks[r].pop(), r, "rewind")
 
     def register(self, r: int, tokens: np.ndarray, committed: int) -> None:
-        """Publish r's fully committed blocks to the prefix cache."""
+        """Publish r's fully committed blocks to the prefix cache (none without reuse: an engine
+        with prefix caching off hashes nothing, and nothing could ever match)."""
+        if self.reuse == "off":
+            return
         done = self.hashed[r]
         n_full = min(committed // self.B, len(self.blocks[r]))
         if n_full <= len(done):

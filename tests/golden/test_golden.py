@@ -15,7 +15,7 @@ from sim.trace.schema import TABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = {
-    "worked_example": "abe7c27459d4295a8c57e05c9a04204698e44313d989b4c20d072b990e23afb4",
+    "worked_example": "22a16d40d27f85c4c18b3dd34b036e5be654b04134437efd3ac51ec01c971f42",
     "default": "92408b45c47764c3ca6e9125a421ec301f55b1d253fdd73676627f2a6ac8a6a9",
 }
 

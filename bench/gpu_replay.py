@@ -15,11 +15,14 @@ import argparse
 import cProfile
 import json
 import pstats
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
+from gpu_backend.calibrate import meta
 from gpu_backend.driver import max_ok_error, replay
 from gpu_backend.replay import FlashInferKernels
 from gpu_backend.tracedata import load_trace
@@ -31,6 +34,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true",
                     help="cProfile a third, untimed pass (host time)")
+    ap.add_argument("--commit", default="",
+                    help="commit to record (default: git rev-parse; the device copy has no .git)")
     a = ap.parse_args()
     trace = load_trace(a.trace)
     first, last = trace.steps[1].step, trace.steps[-1].step
@@ -58,7 +63,10 @@ def main() -> None:
     wall = (marks["done"] - marks["start"]) * 1e3 / n
     kern = sum(ms) / n
     rows = [r for r in res.rows if r.step >= first]
-    out = {"trace": str(a.trace), "steps": n, "batch": len(trace.rows[first]),
+    commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                        capture_output=True, text=True).stdout.strip()
+    out = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:])) | {"commit": commit}
+    out |= {"trace": str(a.trace), "steps": n, "batch": len(trace.rows[first]),
            "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
            "kernel_ms_per_step": kern, "ratio": wall / kern, "counts": res.counts(),
            "max_ok_err": max_ok_error(res), "rows_checked": len(rows)}

@@ -22,13 +22,13 @@ from gpu_backend.tracedata import load_trace
 
 # Per fault scenario (trace name without .fault/.fixed): what the replay can and cannot show.
 NOTES = {
-    "plan_without_width": "stale decode plan (steps carry plan_q_len/plan_batch): emulated on "
-                          "FlashInfer (FA2 planned for the stale shape); the CPU reference has "
-                          "no plans, so reference all ok vs a FlashInfer verdict is a legitimate "
-                          "disagreement, not a miss",
-    "plan_keyed_by_batch": "host memory growth (a plan cache keyed by batch size, I14 / "
-                           "plan_cache_size), not a kernel access: no row verdict is expected "
-                           "(FlashInfer may still react to the stale plan shapes it records)",
+    "plan_without_width": "a decode plan built for q_len 2 run with q_len 4 rows: FlashInfer "
+                          "0.7.2's run() refuses a query whose width differs from the plan's "
+                          "(flashinfer/decode.py, ValueError -> fault); the CPU reference "
+                          "emulates that host check, it has no plans",
+    "plan_keyed_by_batch": "no kernel-visible effect: eager TRT-LLM re-plans every cached "
+                           "wrapper in prepare() (flashinfer.py _clean_cached_plans), so the "
+                           "per-batch keys only add wrappers (memory: I14's cache bound)",
     "double_free": "the second free lands on a block that stays cached; the next request with "
                    "the same prompt reuses it and reads the poisoned pages",
     "draft_past_limit": "RoPE table of max_position_embeddings rows: the engine's K/Q at a "
@@ -41,6 +41,50 @@ NOTES = {
 def note(trace: str) -> str:
     base, _, tag = trace.rpartition(".")
     return NOTES.get(base, "") if tag == "fault" else ""
+
+
+def plan_cache_note(row: dict[str, Any]) -> str:
+    """FlashInfer's measured plan-cache memory, where the engine held more than one plan."""
+    st = row.get("flashinfer_stats") or {}
+    n = st.get("plan_cache_entries", 0)
+    if n <= 1:
+        return ""
+    pinned = st.get("plan_cache_pinned_bytes")
+    pin = "" if pinned is None else f" + {pinned / 2**20:.0f} MiB pinned host"
+    return (f"plan cache held: {n} wrapper pairs, {st['plan_cache_device_bytes'] / 2**20:.0f} "
+            f"MiB device{pin} (measured)")
+
+
+def versus_sim(row: dict[str, Any], be: str) -> str:
+    """The simulator's verdict (any violation) against backend `be`'s (any row not ok)."""
+    bad = row.get(be)
+    if bad is None:
+        return "not run"
+    if "*" in bad:
+        return "**error**"
+    flagged = bool(row["violations"])
+    if flagged:
+        return "confirmed" if bad else "**missed**"
+    return "**unflagged**" if bad else "clean"
+
+
+def summary(rows: list[dict[str, Any]], backends: list[str]) -> list[str]:
+    """Catalog lines: faults confirmed (some row not ok) and fixed runs all ok, per backend."""
+    fault = [r for r in rows if r["trace"].endswith(".fault")]
+    fixed = [r for r in rows if r["trace"].endswith(".fixed")]
+    if not fault and not fixed:
+        return []
+    out = []
+    for be in backends:
+        conf = [r["trace"].removesuffix(".fault") for r in fault
+                if r.get(be) and "*" not in r[be]]
+        missed = [r["trace"].removesuffix(".fault") for r in fault if r["trace"].removesuffix(
+            ".fault") not in conf]
+        ok = sum(1 for r in fixed if r.get(be) == {})
+        out.append(f"- {be}: {len(conf)}/{len(fault)} faulty runs confirmed (a row not ok)"
+                   + (f"; not seen: {', '.join(missed)}" if missed else "")
+                   + f"; {ok}/{len(fixed)} fixed runs all ok")
+    return out
 
 
 def _bad(res: ReplayResult | None) -> dict[str, str]:
@@ -73,7 +117,8 @@ def evaluate(traces: list[Path], backends: list[str], expected: dict[str, Any], 
     out: list[dict[str, Any]] = []
     for t in traces:
         trace = load_trace(t)
-        viol = sorted({f"{v[0]}@{v[1]}" for v in trace.violations})[:6]
+        first = sorted({(int(v[1]), str(v[0])) for v in trace.violations})[:6]  # earliest
+        viol = [f"{inv}@{step}" for step, inv in first]
         row: dict[str, Any] = {"trace": t.name, "rows": sum(len(r) for r in trace.rows.values()),
                                "violations": viol, "expected": expected.get(t.name)}
         for be in backends:
@@ -82,6 +127,7 @@ def evaluate(traces: list[Path], backends: list[str], expected: dict[str, Any], 
                 row[be] = _bad(res)
                 row[f"{be}_noise"] = max_ok_error(res)
                 row[f"{be}_json"] = to_json(res)
+                row[f"{be}_stats"] = res.stats
             except Exception as e:  # noqa: BLE001 - a backend's failure is a matrix cell
                 row[be] = {"*": f"error: {type(e).__name__}: {str(e)[:160]}"}
         seen = [row.get(be) for be in backends]
@@ -100,21 +146,30 @@ def markdown(rows: list[dict[str, Any]], backends: list[str], meta: dict[str, An
     noise = {be: max((r.get(f"{be}_noise", 0.0) for r in rows), default=0.0) for be in backends}
     lines += [f"- tolerance: {tol:g} (max |out - ref| of an ok row)",
               "- measured noise (max |out - ref| over ok rows): "
-              + ", ".join(f"{be} {v:.3g}" for be, v in noise.items()), "",
-              "Cells list the rows that are not ok as (step,request) verdict.", "",
+              + ", ".join(f"{be} {v:.3g}" for be, v in noise.items())]
+    lines += summary(rows, backends)
+    lines += ["", "Cells list the rows that are not ok as (step,request) verdict. `sim vs` "
+              "compares the simulator (any violation) with each backend (any row not ok): "
+              "confirmed, clean, **missed** (flagged, all ok), **unflagged** (not flagged, a row "
+              "not ok). `agree`: the backends give the same verdicts (and the expected ones).",
+              "",
               "| trace | rows | sim violations | expected | " + " | ".join(backends)
-              + " | agree | note |",
-              "|---|---|---|---|" + "---|" * len(backends) + "---|---|"]
+              + " | sim vs " + "/".join(backends) + " | agree | note |",
+              "|---|---|---|---|" + "---|" * len(backends) + "---|---|---|"]
     for r in rows:
         cells = [r["trace"], str(r["rows"]), ", ".join(r["violations"]) or "none",
                  "—" if r["expected"] is None else _fmt(r["expected"])]
         cells += [_fmt(r.get(be)) for be in backends]
+        vs = [versus_sim(r, be) for be in backends]
+        cells.append(vs[0] if len(set(vs)) == 1 else " / ".join(vs))
+        notes = "; ".join(x for x in (note(r["trace"]), plan_cache_note(r)) if x)
         lines.append("| " + " | ".join(cells) + " | " + ("yes" if r["agree"] else "**no**")
-                     + " | " + note(r["trace"]) + " |")
+                     + " | " + notes + " |")
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, command: str | None = None) -> int:
+    """`command`: the command line to record in the table's meta (default: this one's)."""
     ap = argparse.ArgumentParser(prog="python -m gpu_backend.agreement")
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--out", type=Path, required=True)
@@ -129,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if "flashinfer" in backends:
         from gpu_backend.calibrate import meta as gpu_meta
 
-        meta = gpu_meta("python -m gpu_backend.agreement "
+        meta = gpu_meta(command or "python -m gpu_backend.agreement "
                         + " ".join(sys.argv[1:] if argv is None else argv))
 
     def partial(done: list[dict[str, Any]]) -> None:

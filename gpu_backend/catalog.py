@@ -5,12 +5,14 @@ backends by the agreement matrix.
     python -m gpu_backend.catalog --out docs/agreement.md [--traces DIR] [--backends ...]
 
 A fault is confirmed on the GPU when some row of its faulty trace is not ok (nan, mismatch,
-corrupt or fault); a fixed trace must be all ok.
+corrupt or fault); a fixed trace must be all ok. The table's summary lines count both per
+backend; its `sim vs` column compares the simulator with each backend trace by trace.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -51,8 +53,10 @@ def main(argv: list[str] | None = None) -> int:
         d.mkdir(parents=True, exist_ok=True)
         traces = write_traces(d)
         extra = ["--json", str(a.json)] if a.json else []
+        command = "python -m gpu_backend.catalog " + " ".join(
+            sys.argv[1:] if argv is None else argv)
         return agreement.main([*map(str, traces), "--out", str(a.out), "--backends",
-                               a.backends, *extra])
+                               a.backends, *extra], command=command)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -75,6 +75,8 @@ class ReplayResult:
     trace: str
     tol: float
     rows: list[RowResult] = field(default_factory=list)
+    # what the kernels measured beside the rows (FlashInfer: the plan cache's memory)
+    stats: dict[str, Any] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(VERDICTS, 0)
@@ -232,6 +234,9 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
         if on_step:
             on_step(s.step, "done")
     _collect(res, trace, codes, errs, msgs)
+    stats = getattr(kernels, "stats", None)
+    if callable(stats):
+        res.stats = stats()
     return res
 
 

@@ -27,8 +27,9 @@ TAIL = 256
 class StepBatch:
     step: int
     backend: str  # fa2 | fa3 | xqa
-    plan_q_len: int
-    plan_batch: int
+    plan_q_len: int  # -1: the decode plan was built for this step (docs/trace.md)
+    plan_batch: int  # the step's batch (all rows) when that plan was built
+    plan_cache_size: int  # plans the engine's cache holds after this step's launch
     page_size: int
     guard: int
     requests: np.ndarray  # [R] request ids
@@ -175,7 +176,8 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
                                for r in rows] or [[]]).astype(np.int64)
     return StepBatch(
         step=step.step, backend=step.backend, plan_q_len=step.plan_q_len,
-        plan_batch=step.plan_batch, page_size=page_size, guard=guard,
+        plan_batch=step.plan_batch, plan_cache_size=step.plan_cache_size, page_size=page_size,
+        guard=guard,
         requests=np.array([r.request for r in rows], dtype=np.int64),
         is_ctx=np.array([r.phase == "ctx" for r in rows], dtype=bool),
         q_len=q_len, qo_indptr=qo, kv_indptr=indptr.astype(I32),
@@ -207,6 +209,22 @@ def launch_runs(b: StepBatch) -> list[tuple[int, int, str]]:
         else:
             out.append((i, i + 1, k))
     return out
+
+
+def stale_plan(b: StepBatch, s: int, e: int, kind: str) -> tuple[int, int] | None:
+    """(batch, q_len) of the decode plan that launch run [s, e) of `kind` runs with, when the
+    engine reused a plan built for another shape; None when the run is planned for itself.
+
+    The trace records the plan's query width (`plan_q_len`, -1: built for this step) and the
+    step's batch when it was built (`plan_batch`, all rows: I14 compares it with the step's row
+    count). A decode plan covers the run's rows, so its batch is the run's rows plus the
+    difference. Context runs have their own prefill plan."""
+    if b.plan_q_len < 0 or kind == "ctx":
+        return None
+    batch = (e - s) + b.plan_batch - b.num_rows
+    if (b.plan_q_len, batch) == (int(b.q_len[s]), e - s):
+        return None
+    return max(batch, 1), b.plan_q_len
 
 
 def run_arrays(b: StepBatch) -> dict[str, np.ndarray]:

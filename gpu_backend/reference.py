@@ -6,6 +6,14 @@ into pool reads/writes and fp32 softmax attention, so the GPU and CPU replays di
 computes. An ordinal past the table (WILD) reads the -1 entries both backends place after
 `kv_indices` (layout.TAIL): the guard page before page 0. A page id past the guard band is
 undefined on the device; the reference reports it as a fault instead of guessing.
+
+Plans: the access model has none, but a launch run with a plan built for another shape
+(`layout.stale_plan`) gets FlashInfer 0.7.2's host-side check of
+BatchDecodeWithPagedKVCacheWrapper.run() (flashinfer/decode.py): the width it infers is the
+query rows // the planned batch; the CUDA-core kernel (a plan of width 1) refuses a width > 1,
+the tensor-core path any width other than the planned one (ValueError -> `fault`). A stale plan
+that passes the check runs the kernel over another shape's schedule, which the reference does not
+model: it computes such a launch as freshly planned (no catalog trace has one; docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import numpy as np
 import torch
 
 from gpu_backend.driver import KernelFault
-from gpu_backend.layout import StepBatch
+from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.oracle import attend
 from gpu_backend.pool import KVPool
 from sim.check.access import CLAMPED, WILD, Accesses, step_access
@@ -36,6 +44,7 @@ class ReferenceKernels:
         s = torch.as_tensor(slot)
         pool.data[t, 0, s] = k
         pool.data[t, 1, s] = v
+        refuse_stale_plan(b)
         return self._attention(pool, b, acc.reads, acc.kernel_len, q)
 
     def _physical(self, pool: KVPool, a: Accesses, what: str) -> tuple[np.ndarray, np.ndarray]:
@@ -70,8 +79,26 @@ class ReferenceKernels:
         o = attend(q[tok_t], kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
                    torch.as_tensor(limit))
         o = torch.where(torch.as_tensor(limit >= 0)[:, :, None, None], o, 0.0)
-        out = torch.empty(q.shape, dtype=q.dtype)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # as the GPU's out= buffer
         valid = torch.as_tensor(j[None, :] < b.q_len[:, None])
         out[tok_t[valid]] = o[valid].to(q.dtype)  # the kernels write bf16/fp16
         return out
 
+
+def refuse_stale_plan(b: StepBatch) -> None:
+    """FlashInfer 0.7.2's run() check of a decode plan against the query it is given (module
+    docstring); raises KernelFault with FlashInfer's wording where it raises ValueError."""
+    for s, e, kind in launch_runs(b):
+        stale = stale_plan(b, s, e, kind)
+        if stale is None:
+            continue
+        batch, planned = stale
+        width = int(b.qo_indptr[e] - b.qo_indptr[s]) // batch
+        if planned == 1 and width > 1:
+            raise KernelFault(f"ValueError: q implies q_len_per_req={width}, but the "
+                              "non-tensor-core decode kernel only supports q_len_per_req=1. "
+                              "(emulated FlashInfer 0.7.2 host check)")
+        if planned > 1 and width != planned:
+            raise KernelFault(f"ValueError: q implies q_len_per_req={width} but plan() used "
+                              f"{planned}; re-plan with the matching q_len_per_req. "
+                              "(emulated FlashInfer 0.7.2 host check)")

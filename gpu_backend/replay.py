@@ -13,8 +13,19 @@ stale CUDA-graph plans):
           otherwise, and for the ctx rows of xqa steps, FA2 over the block table's rows as CSR
           (layout.xqa_*: the pages XQA reads, lengths from seq_lens).
 An fa2/fa3 step whose trace says the plan was built for another width/batch (`plan_q_len`,
-`plan_batch`) is planned for that shape and run with the real query (reference §2: plans are
-shape-specific). XQA has no plan, so there the mismatch has no kernel effect.
+`plan_batch`, `layout.stale_plan`) is planned for that shape and run with the real query
+(reference §2: plans are shape-specific); FlashInfer 0.7.2's run() refuses a query whose width
+differs from the plan's (flashinfer/decode.py, BatchDecodeWithPagedKVCacheWrapper.run) and the
+step is a `fault`. XQA has no plan, so there the mismatch has no kernel effect.
+
+Every launch writes into one output buffer filled with NaN first (`out=`): a row no kernel writes
+reads as NaN, never as whatever the allocator held.
+
+The engine's plan cache (`plan_cache_size`) is held as TRT-LLM holds it, one decode and one
+prefill wrapper per entry (each allocates its own 8 MiB int workspace on the device and 8 MiB of
+pinned host memory, flashinfer/decode.py and prefill.py __init__); `stats()` reports the memory
+measured for it. Eager TRT-LLM re-plans every cached wrapper in prepare(), so the entries add
+memory, not stale plans.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import numpy as np
 import torch
 
 from gpu_backend.driver import KernelFault
-from gpu_backend.layout import StepBatch, launch_runs
+from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.pool import KVPool
 from sim.trace.records import RowRecord
 
@@ -52,6 +63,9 @@ class FlashInferKernels:
         # attn_timing: CUDA events around each attention launch only (gpu_backend.fidelity)
         self.attn_timing = attn_timing
         self.attn_events: list[tuple[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]]] = []
+        self.plan_cache: list[tuple[Any, Any]] = []
+        self.plan_cache_device = 0
+        self.plan_cache_pinned: int | None = 0
 
     def _prefill(self, backend: str) -> Any:
         if backend not in self.prefill:
@@ -62,6 +76,8 @@ class FlashInferKernels:
     def run_step(self, pool: KVPool, b: StepBatch, rows: list[RowRecord],
                  dv: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:
+        self._hold_plan_cache(b.plan_cache_size)
+        out = torch.full_like(q, float("nan"))  # a row no launch writes stays NaN
         if self.timing:
             ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             ev[0].record()
@@ -73,10 +89,11 @@ class FlashInferKernels:
             self.fi.append_paged_kv_cache(
                 k, v, dv["app_row"].to(i32), dv["append_pos"].to(i32), pool.data,
                 indices, dv["kv_indptr"].to(i32), dv["last_page_len"].to(i32), kv_layout="NHD")
-            out = torch.empty_like(q)
             for i, (s, e, kind) in enumerate(launch_runs(b)):
-                out[b.qo_indptr[s]: b.qo_indptr[e]] = self._attend(pool, b, dv, i, s, e, kind, q,
-                                                                    indices)
+                o = out[b.qo_indptr[s]: b.qo_indptr[e]]
+                got = self._attend(pool, b, dv, i, s, e, kind, q, indices, o)
+                if got.data_ptr() != o.data_ptr():
+                    o.copy_(got.reshape(o.shape))
         except (ValueError, RuntimeError, AssertionError, NotImplementedError,
                 AttributeError) as exc:
             if "CUDA" in str(exc) or "cuda" in str(exc):
@@ -86,6 +103,25 @@ class FlashInferKernels:
             ev[1].record()
             self.events.append(ev)
         return out
+
+    def _hold_plan_cache(self, n: int) -> None:
+        """Hold n plan-cache entries (decode + prefill wrapper each, as TRT-LLM's
+        FlashInferWrappers) and measure the memory they take."""
+        while len(self.plan_cache) < n:
+            dev0, pin0 = torch.cuda.memory_allocated(self.dev), _pinned_bytes()
+            self.plan_cache.append((
+                self.fi.BatchDecodeWithPagedKVCacheWrapper(self.ws[0], "NHD"),
+                self.fi.BatchPrefillWithPagedKVCacheWrapper(self.ws[1], "NHD", backend="fa2")))
+            self.plan_cache_device += torch.cuda.memory_allocated(self.dev) - dev0
+            pin1 = _pinned_bytes()
+            self.plan_cache_pinned = (None if pin0 is None or pin1 is None
+                                      or self.plan_cache_pinned is None
+                                      else self.plan_cache_pinned + pin1 - pin0)
+
+    def stats(self) -> dict[str, Any]:
+        return {"plan_cache_entries": len(self.plan_cache),
+                "plan_cache_device_bytes": self.plan_cache_device,
+                "plan_cache_pinned_bytes": self.plan_cache_pinned}
 
     def kernel_ms(self) -> list[float]:
         torch.cuda.synchronize()
@@ -110,58 +146,65 @@ class FlashInferKernels:
         return out
 
     def _attend(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], i: int, s: int,
-                e: int, kind: str, q: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+                e: int, kind: str, q: torch.Tensor, indices: torch.Tensor,
+                o: torch.Tensor) -> torch.Tensor:
         qr = q[b.qo_indptr[s]: b.qo_indptr[e]]
         if b.backend == "xqa":
             if kind != "ctx" and b.page_size in (16, 32, 64, 128) and np.all(
                     b.q_len[s:e] == b.q_len[s]):
-                return self._xqa(pool, b, dv, s, e, qr)
+                return self._xqa(pool, b, dv, s, e, qr, o)
             # ctx rows of a block-table engine, or shapes XQA does not build: FA2 over the
             # table rows, with the lengths the engine passed (what XQA would read)
             return self._csr(pool, b, dv, i, s, e, kind, qr, dv["xqa_indices"].to(torch.int32),
                              dv["xqa_indptr@host"][s: e + 1],
-                             dv["xqa_last_page_len@host"][s:e])
-        if b.plan_q_len >= 0 and kind != "ctx" and (b.plan_q_len, b.plan_batch) != (
-                int(b.q_len[s]), e - s):
-            return self._stale_plan(pool, b, s, e, qr, indices)
+                             dv["xqa_last_page_len@host"][s:e], o)
+        stale = stale_plan(b, s, e, kind)
+        if stale is not None:
+            return self._stale_plan(pool, b, s, e, qr, indices, *stale, o)
         # pinned host tensors: plan() reads them on the host and copies them asynchronously
         return self._csr(pool, b, dv, i, s, e, kind, qr, indices, dv["kv_indptr@host"][s: e + 1],
-                         dv["last_page_len@host"][s:e])
+                         dv["last_page_len@host"][s:e], o)
 
     def _csr(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], i: int, s: int,
              e: int, kind: str, qr: torch.Tensor, indices: torch.Tensor, kv_indptr: torch.Tensor,
-             lpl: torch.Tensor) -> torch.Tensor:
+             lpl: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         hq, hkv, d, B = self.num_q_heads, pool.data.shape[3], pool.data.shape[4], b.page_size
         dt = pool.data.dtype
         if kind == "decode" and b.backend != "fa3":
             self.decode.plan(kv_indptr, indices, lpl, hq, hkv, d, B, q_data_type=dt,
                              kv_data_type=dt)
-            return self._timed(lambda: self.decode.run(qr, pool.data))
+            return self._timed(lambda: self.decode.run(qr, pool.data, out=o))
         w = self._prefill("fa3" if b.backend == "fa3" else "fa2")
         qo = dv[f"run{i}_qo@host"]
         w.plan(qo, kv_indptr, indices, lpl, hq, hkv, d, B, causal=True, q_data_type=dt,
                kv_data_type=dt)
-        return self._timed(lambda: w.run(qr, pool.data))
+        return self._timed(lambda: w.run(qr, pool.data, out=o))
 
     def _stale_plan(self, pool: KVPool, b: StepBatch, s: int, e: int, qr: torch.Tensor,
-                    indices: torch.Tensor) -> torch.Tensor:
-        """Plan for (plan_batch, plan_q_len) over the step's own metadata (first rows, the last
-        repeated if the plan was for more), then run the real query through it."""
-        n = max(b.plan_batch, 1)
+                    indices: torch.Tensor, n: int, width: int, o: torch.Tensor) -> torch.Tensor:
+        """Plan a decode wrapper for batch n and query width `width` over the step's own metadata
+        (the run's first rows, the last repeated if the plan was for more), then run the real
+        query through it. A width > 1 needs the tensor-core (FA2) decode path.
+
+        The output is a NaN buffer of its own, padded to the plan's n * width rows: rows the plan
+        does not cover stay NaN, and a plan for more rows than the query (reference §5: the
+        kernel then writes past `out`) writes into the padding, not into another launch's rows."""
         sel = np.minimum(np.arange(n), e - s - 1) + s
         ptr = np.concatenate([b.kv_indptr[sel], [b.kv_indptr[min(s + n, e)]]])
         ptr = np.maximum.accumulate(ptr).astype(np.int32)
         hq, hkv, d, B = self.num_q_heads, pool.data.shape[3], pool.data.shape[4], b.page_size
         dt = pool.data.dtype
         w = self.fi.BatchDecodeWithPagedKVCacheWrapper(self.ws[2], "NHD",
-                                                       use_tensor_cores=b.plan_q_len > 1)
-        extra = {"q_len_per_req": b.plan_q_len} if b.plan_q_len > 1 else {}
+                                                       use_tensor_cores=width > 1)
+        extra = {"q_len_per_req": width} if width > 1 else {}
         w.plan(torch.as_tensor(ptr), indices, torch.as_tensor(b.last_page_len[sel]), hq, hkv, d,
                B, q_data_type=dt, kv_data_type=dt, **extra)
-        return self._timed(lambda: w.run(qr, pool.data)).reshape(qr.shape)
+        buf = torch.full((max(n * width, o.shape[0]), *o.shape[1:]), float("nan"),
+                         dtype=o.dtype, device=o.device)
+        return self._timed(lambda: w.run(qr, pool.data, out=buf[: o.shape[0]]))
 
     def _xqa(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], s: int, e: int,
-             qr: torch.Tensor) -> torch.Tensor:
+             qr: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         W = int(b.q_len[s])
         if np.any(b.q_len[s:e] != W):
             raise KernelFault("xqa: ragged draft widths in one launch are not replayed")
@@ -178,7 +221,22 @@ class FlashInferKernels:
             mask = torch.as_tensor(bits.view(np.uint16), device=self.dev)
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
+        # out: [B, W, H, D] for W > 1 (the query's view inside xqa_batch_decode_with_kv_cache)
+        ox = o.view(e - s, W, *o.shape[1:]) if W > 1 else o
         return self._timed(lambda: xqa_batch_decode_with_kv_cache(
             qr, pool.data, self.ws[3], bt, seq, bt.shape[1] * b.page_size,
             bmm1_scale=1.0 / math.sqrt(d), bmm2_scale=1.0, kv_layout="NHD",
-            q_len_per_req=W, mask=mask)).reshape(qr.shape)
+            q_len_per_req=W, mask=mask, out=ox))
+
+
+def _pinned_bytes() -> int | None:
+    """Pinned host memory checked out of torch's host allocator (None where this torch does not
+    say). Active bytes, not allocated: the allocator caches freed pinned blocks, so an earlier
+    replay's freed wrappers would hide a new wrapper's allocation (first H200 run: 56 MiB
+    "allocated" growth for 5 cache entries, 16 MiB for 1 in a fresh process, 0 after it)."""
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return None
+    v = stats.get("active_bytes.current")
+    return None if v is None else int(v)

@@ -47,11 +47,12 @@ def run_replay(trace_dir: str | Path, backend: str, tol: float,
 
 def to_json(res: ReplayResult) -> dict[str, Any]:
     return {"trace": res.trace, "backend": res.backend, "tol": res.tol, "counts": res.counts(),
-            "max_ok_err": max_ok_error(res), "rows": [asdict(r) for r in res.rows]}
+            "max_ok_err": max_ok_error(res), "stats": res.stats,
+            "rows": [asdict(r) for r in res.rows]}
 
 
 def from_json(d: dict[str, Any]) -> ReplayResult:
-    res = ReplayResult(d["backend"], d["trace"], d["tol"])
+    res = ReplayResult(d["backend"], d["trace"], d["tol"], stats=d.get("stats", {}))
     res.rows = [RowResult(**r) for r in d["rows"]]
     return res
 

@@ -33,11 +33,31 @@ def test_clean_rows_stay_well_inside_tolerance(tmp_path: Path) -> None:
     assert max(r.err for r in gpu.rows) < DEFAULT_TOL / 2
 
 
-def test_stale_plan_for_another_width_is_not_ok(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("plan_q_len", "says"), [
+    (1, "non-tensor-core decode kernel only supports q_len_per_req=1"),
+    (2, "q implies q_len_per_req=4 but plan() used 2"),
+])
+def test_stale_plan_for_another_width_is_refused_by_flashinfer(tmp_path: Path, plan_q_len: int,
+                                                               says: str) -> None:
     b = _two(29, 45)
-    b.step([b.gen(0, 3, 1), b.gen(1, 3, 2)], plan_q_len=1, plan_batch=2)
-    res = run_replay(b.write(tmp_path / "t", "stale_plan"), "flashinfer", DEFAULT_TOL)
-    assert {r.verdict for r in res.rows if r.step == 1} != {"ok"}
+    b.step([b.gen(0, 3, 1), b.gen(1, 3, 2)], plan_q_len=plan_q_len, plan_batch=2)
+    trace = b.write(tmp_path / "t", "stale_plan")
+    res = run_replay(trace, "flashinfer", DEFAULT_TOL)
+    assert _bad(res) == {(1, 0): "fault", (1, 1): "fault"}
+    assert says in res.rows[2].message
+    assert _bad(run_replay(trace, "reference", DEFAULT_TOL)) == _bad(res)
+
+
+def test_rows_a_stale_plan_does_not_cover_read_as_nan(tmp_path: Path) -> None:
+    # A CUDA-core plan for 2 requests given 3 query rows: run() infers width 3 // 2 = 1 and
+    # launches the plan's grid, which writes the first two rows only; the output buffer starts
+    # as NaN, so the third row is a `nan` verdict instead of whatever memory held.
+    b = _two(29, 45)
+    b.request(2, list(range(300, 333)))
+    b.step([b.ctx(2)])
+    b.step([b.gen(0, 0, 0), b.gen(1, 0, 0), b.gen(2, 0, 0)], plan_q_len=1, plan_batch=2)
+    res = run_replay(b.write(tmp_path / "t", "short_plan"), "flashinfer", DEFAULT_TOL)
+    assert _bad(res).get((2, 2)) == "nan"
 
 
 def _wild(out: Path) -> Path:

@@ -13,7 +13,7 @@ import torch
 from replay_traces import EXPECTED, SCENARIOS, _two
 
 from gpu_backend.isolate import replay_isolated
-from gpu_backend.layout import build_step
+from gpu_backend.layout import build_step, launch_runs, stale_plan
 from gpu_backend.oracle import DEFAULT_TOL
 from gpu_backend.pool import KVPool, content
 from gpu_backend.run import run_replay
@@ -108,3 +108,46 @@ def test_an_incomplete_trace_is_refused(tmp_path: Path) -> None:
     (t / "manifest.json").write_text(json.dumps(dict(m, complete=False)))
     with pytest.raises(TraceError):
         load_trace(t)
+
+
+def _mixed_step(tmp: Path, plan_batch: int) -> Path:
+    """Step 1: request 2's prompt (ctx) beside request 0's decode, through a reused q_len-1
+    decode plan built when the step's batch was `plan_batch` rows."""
+    b = _two(29, 45)
+    b.request(2, list(range(100, 120)))
+    b.step([b.ctx(2), b.gen(0, 0, 0)], plan_q_len=1, plan_batch=plan_batch)
+    return b.write(tmp, "mixed")
+
+
+def test_a_reused_plan_of_the_same_shape_in_a_mixed_step_is_not_stale(tmp_path: Path) -> None:
+    # plan_batch counts every row of the step (the simulator's I14 compares it with the row
+    # count); the decode launch has one row. Comparing plan_batch with the launch's rows made
+    # FlashInfer plan a batch-2 CUDA-core decode for a 1-row query: q/out read and written past
+    # their end (reference §5).
+    t = load_trace(_mixed_step(tmp_path / "t", plan_batch=2))
+    b = build_step(t.steps[1], t.rows[1], 16, 16)
+    assert [(s, e, k) for s, e, k in launch_runs(b)] == [(0, 1, "ctx"), (1, 2, "decode")]
+    assert stale_plan(b, 1, 2, "decode") is None
+    assert run_replay(t.path, "reference", DEFAULT_TOL).ok
+
+
+def test_a_plan_built_for_a_bigger_step_is_stale_by_the_difference(tmp_path: Path) -> None:
+    t = load_trace(_mixed_step(tmp_path / "t", plan_batch=3))
+    b = build_step(t.steps[1], t.rows[1], 16, 16)
+    assert stale_plan(b, 1, 2, "decode") == (2, 1)
+    assert stale_plan(b, 0, 1, "ctx") is None  # prefill rows have their own plan
+
+
+@pytest.mark.parametrize(("plan_q_len", "says"), [
+    (1, "q implies q_len_per_req=4, but the non-tensor-core decode kernel only supports"),
+    (2, "q implies q_len_per_req=4 but plan() used 2"),
+])
+def test_a_plan_for_another_width_is_refused_as_flashinfer_does(tmp_path: Path, plan_q_len: int,
+                                                                says: str) -> None:
+    b = _two(29, 45)
+    b.step([b.gen(0, 3, 1), b.gen(1, 3, 2)], plan_q_len=plan_q_len, plan_batch=2)
+    b.step([b.gen(0, 3, 1), b.gen(1, 3, 2)])
+    res = run_replay(b.write(tmp_path / "t", "stale"), "reference", DEFAULT_TOL)
+    assert _bad(res) == {(1, 0): "fault", (1, 1): "fault"}  # the next step is planned afresh
+    assert says in res.rows[2].message
+

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_backend.driver import in_flight_poison
+from gpu_backend.layout import build_step, launch_runs, stale_plan
 from gpu_backend.oracle import DEFAULT_TOL
 from gpu_backend.pool import content
 from gpu_backend.run import run_replay
@@ -35,6 +36,8 @@ def _bad(trace: Path) -> dict[tuple[int, int], str]:
 @pytest.mark.parametrize(("fault", "bad"), [
     ("draft_past_limit", {(4, 0): "nan", (5, 0): "nan"}),  # the I16 steps: RoPE past the table
     ("free_in_flight", {(2, 0): "nan"}),  # the I17 step: its pages refilled while in flight
+    # the I14 steps: a q_len-2 plan given q_len-4 rows, refused by FlashInfer's run()
+    ("plan_without_width", {(2, 0): "fault", (4, 0): "fault"}),
 ])
 def test_memory_faults_are_confirmed_and_their_fix_is_clean(tmp_path: Path, fault: str,
                                                             bad: dict[tuple[int, int], str]
@@ -59,3 +62,24 @@ def test_rope_past_the_table_is_nan_for_k_and_q_only() -> None:
         assert not x[:2].isnan().any() and x[2].isnan().all()
         assert torch.equal(x[:2], content(tok, pos, kind, 2, 8, torch.bfloat16)[:2])
     assert not content(tok, pos, 1, 2, 8, torch.bfloat16, rope_rows=64).isnan().any()
+
+
+def test_a_plan_without_width_fails_on_flashinfers_own_check(tmp_path: Path) -> None:
+    res = run_replay(_trace(tmp_path, "plan_without_width", True), "reference", DEFAULT_TOL)
+    msgs = {r.message for r in res.rows if r.verdict == "fault"}
+    assert msgs == {"ValueError: q implies q_len_per_req=4 but plan() used 2; re-plan with the "
+                    "matching q_len_per_req. (emulated FlashInfer 0.7.2 host check)"}
+
+
+def test_a_plan_cache_keyed_by_batch_never_runs_a_stale_plan(tmp_path: Path) -> None:
+    # TRT-LLM #18557: eager metadata re-plans every cached wrapper in prepare(); a per-batch key
+    # only adds wrappers. The trace's reused plans always have the step's own shape, so the
+    # kernels see nothing: the fault is I14's cache bound (memory), not a kernel access.
+    trace = load_trace(_trace(tmp_path, "plan_keyed_by_batch", True))
+    assert max(s.plan_cache_size for s in trace.steps) == 5
+    reused = [s for s in trace.steps if s.plan_q_len >= 0]
+    assert reused
+    for s in reused:
+        b = build_step(s, trace.rows[s.step], trace.model.page_size, 16)
+        assert all(stale_plan(b, i, e, k) is None for i, e, k in launch_runs(b))
+    assert _bad(trace.path) == {}

@@ -75,3 +75,28 @@ def test_staging_keeps_names_shapes_and_host_copies(shape: tuple[int, ...]) -> N
     out = st.upload({"a": a, "b": np.array([7, 8])}, host=("b",))
     assert out["a"].tolist() == a.tolist() and out["b"].tolist() == [7, 8]
     assert out["b@host"].dtype.is_floating_point is False and out["b@host"].tolist() == [7, 8]
+
+
+def test_agreement_compares_the_simulator_with_each_backend() -> None:
+    from gpu_backend.agreement import plan_cache_note, summary, versus_sim
+
+    rows = [
+        {"trace": "a.fault", "violations": ["I14@2"], "reference": {"2,0": "fault"},
+         "flashinfer": {"2,0": "fault"}},
+        {"trace": "b.fault", "violations": ["I14@8"], "reference": {}, "flashinfer": {},
+         "flashinfer_stats": {"plan_cache_entries": 5, "plan_cache_device_bytes": 80 << 20,
+                              "plan_cache_pinned_bytes": None}},
+        {"trace": "a.fixed", "violations": [], "reference": {}, "flashinfer": {}},
+        {"trace": "b.fixed", "violations": [], "reference": {},
+         "flashinfer": {"*": "error: RuntimeError: x"}},
+    ]
+    assert [versus_sim(r, "flashinfer") for r in rows] == [
+        "confirmed", "**missed**", "clean", "**error**"]
+    assert versus_sim({"trace": "c", "violations": [], "reference": {"1,0": "nan"}},
+                      "reference") == "**unflagged**"
+    assert summary(rows, ["reference", "flashinfer"]) == [
+        "- reference: 1/2 faulty runs confirmed (a row not ok); not seen: b; 2/2 fixed runs all ok",
+        "- flashinfer: 1/2 faulty runs confirmed (a row not ok); not seen: b; 1/2 fixed runs all "
+        "ok"]
+    assert plan_cache_note(rows[1]) == "plan cache held: 5 wrapper pairs, 80 MiB device (measured)"
+    assert plan_cache_note(rows[0]) == ""

@@ -14,7 +14,8 @@ from sim.check import StepChecker
 from sim.check.registry import LAUNCH_ORDER
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
-from sim.errors import ProfileError
+from sim.errors import ProfileError, ScenarioError
+from sim.fast import Chunk, FastEngine, StepStream, request_records, supports
 from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
@@ -66,6 +67,7 @@ class _Sink:
         self.requests: list[RequestRecord] = []
         self.violations: list[Violation] = []
         self.peak_blocks = 0
+        self.stream = StepStream()
 
     def __call__(self, step: StepRecord, rows: list[RowRecord], events: list[BlockEvent]) -> None:
         if self.writer is not None:
@@ -79,6 +81,40 @@ class _Sink:
             self.kv.append((step.t_launch_ns, step.blocks_used, spare, step.blocks_cached))
         if self.progress is not None and step.step % 2048 == 0:
             self.progress(step.step)
+
+    def on_chunk(self, ch: Chunk) -> None:
+        """The fast engine's output: columns straight to the trace; records only for the
+        checker and the in-memory tables."""
+        if self.writer is not None:
+            self.writer.add_columns("steps", ch.steps)
+            if ch.rows:
+                self.writer.add_columns("rows", ch.rows)
+            self.writer.add_columns("blocks", ch.blocks)
+            self.writer.add_columns("requests", ch.requests)
+        used = ch.steps["blocks_used"]
+        if len(used):
+            self.peak_blocks = max(self.peak_blocks, int(used.max()))
+        if self.checker is not None or self.collect:
+            for step, rows, events in self.stream.feed(ch):
+                self._step_records(step, rows, events)
+            if self.collect:
+                self.requests.extend(request_records(ch))
+        steps = ch.steps["step"]
+        if self.progress is not None and len(steps):
+            self.progress(int(steps[-1]))
+
+    def finish_chunks(self) -> None:
+        for step, rows, events in self.stream.finish():
+            self._step_records(step, rows, events)
+
+    def _step_records(self, step: StepRecord, rows: list[RowRecord],
+                      events: list[BlockEvent]) -> None:
+        if self.checker is not None:
+            self._check(step, rows, events)
+        if self.collect:
+            self.steps.append(ROW_OF["steps"](step))
+            spare = sum(r.reserved - r.committed - r.new_tokens for r in rows) / self.B
+            self.kv.append((step.t_launch_ns, step.blocks_used, spare, step.blocks_cached))
 
     def on_request(self, rec: RequestRecord) -> None:
         if self.writer is not None:
@@ -113,12 +149,15 @@ def _model_info(sc: Scenario, sw: Switches) -> dict:
 def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: bool = False,
         profile: str | None = None, switches: dict[str, object] | None = None,
         base_dir: Path | None = None, on_progress: Callable[[int], None] | None = None,
-        collect: bool = True) -> RunResult:
+        collect: bool = True, engine: str = "auto") -> RunResult:
     """Simulate `sc`; write a trace to `out` if given; check invariants online if `check`.
 
     `collect=False` keeps no per-step/per-request tables in memory (RunResult's tables are
-    empty; the summary and the trace are complete)."""
+    empty; the summary and the trace are complete). `engine`: "reference" (sim/engine.py),
+    "fast" (sim/fast: compiled, a subset of scenarios, the same trace) or "auto" (fast where
+    it supports the scenario)."""
     name, sw = switches_for(sc, profile, switches)
+    fast = _pick_engine(engine, sc, sw)
     model = _model_info(sc, sw)
     rng = np.random.default_rng(np.random.SeedSequence(sc.seed).spawn(4)[3])
     specs = iter_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
@@ -128,13 +167,23 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
         writer = TraceWriter(out) if out is not None else None
         sink = _Sink(sc, writer, StepChecker(model) if check else None, on_progress, collect)
         detail = writer is not None or check
-        eng = Engine(sc, sw, specs, sink, record_events=detail, detail=detail)
-        eng.proc.on_request = sink.on_request
-        eng.run()
+        if fast:
+            feng = FastEngine(sc, sw, specs, sink.on_chunk, detail)
+            feng.run()
+            sink.finish_chunks()
+            raised = feng.violations
+            state = (feng.totals, feng.step, feng.num_usable, feng.now)
+        else:
+            eng = Engine(sc, sw, specs, sink, record_events=detail, detail=detail)
+            eng.proc.on_request = sink.on_request
+            eng.run()
+            raised = eng.proc.violations
+            state = (eng.proc.totals, eng.step, eng.kv.pool.num_usable, int(eng.env.now))
         if sink.checker is not None:
             sink.violations.extend(sink.checker.finish())
-        violations = sorted(eng.proc.violations + sink.violations, key=_order)
-        summary = _summary(eng, sink, violations)
+        violations = sorted(raised + sink.violations, key=_order)
+        summary = _summary(*state, sink, violations)
+        summary["engine"] = "fast" if fast else "reference"
         trace_dir = None
         if writer is not None:
             manifest = {"kvsim_version": kvsim_version(), "scenario": sc.model_dump(mode="json"),
@@ -188,13 +237,25 @@ def _kv_table(rows: list[tuple[int, int, float, int]]) -> pa.Table:
                      "blocks_cached": pa.array(cols[3], pa.int64())})
 
 
-def _summary(eng: Engine, sink: _Sink, violations: list[Violation]) -> dict:
-    t = eng.proc.totals
+def _pick_engine(engine: str, sc: Scenario, sw: Switches) -> bool:
+    """True: run the fast engine."""
+    if engine == "reference":
+        return False
+    why = supports(sc, sw)
+    if engine == "fast" and why is not None:
+        raise ScenarioError(f"--engine fast: this scenario needs the reference engine ({why})")
+    if engine not in ("auto", "fast"):
+        raise ScenarioError(f"engine must be auto, fast or reference, not {engine!r}")
+    return why is None
+
+
+def _summary(t: dict, steps: int, num_usable: int, now: int, sink: _Sink,
+             violations: list[Violation]) -> dict:
     return {
         "requests": t["requests"],
         "finished": t["finished"],
         "rejected": t["rejected"],
-        "steps": eng.step,
+        "steps": steps,
         "output_tokens": t["output_tokens"],
         "prompt_tokens": t["prompt_tokens"],
         "reused_tokens": t["reused_tokens"],
@@ -202,7 +263,7 @@ def _summary(eng: Engine, sink: _Sink, violations: list[Violation]) -> dict:
         "mean_accepted_len": 1 + t["accepted"] / t["gen_steps"] if t["gen_steps"] else 0.0,
         "preemptions": t["preemptions"],
         "peak_kv_blocks": sink.peak_blocks,
-        "num_blocks": eng.kv.pool.num_usable,
+        "num_blocks": num_usable,
         "violations": len(violations),
-        "sim_time_ns": int(eng.env.now),
+        "sim_time_ns": now,
     }

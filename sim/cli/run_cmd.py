@@ -26,6 +26,10 @@ def run_cmd(
                                      help="Override one behaviour switch: NAME=VALUE."),
     no_check: bool = typer.Option(False, "--no-check",
                                   help="Skip the online invariant checks (capacity runs)."),
+    engine: str = typer.Option(
+        "auto", "--engine", help="auto: the compiled fast engine where it models the scenario "
+        "(no MTP, no overlap, no reuse, simple cost), else the reference engine; fast: "
+        "require it; reference: the pure-Python engine (the oracle; same trace)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     max_violations: int = typer.Option(10, help="Violations to print."),
 ) -> None:
@@ -49,7 +53,8 @@ def run_cmd(
                       disable=as_json or not err_console.is_terminal) as bar:
             task = bar.add_task(f"simulating {scenario.name}", total=None)
             res = run(sc, out=out, check=not no_check, profile=profile, switches=overrides,
-                      base_dir=base, on_progress=lambda k: bar.update(task, completed=k))
+                      base_dir=base, on_progress=lambda k: bar.update(task, completed=k),
+                      engine=engine)
     if as_json:
         console.print_json(json.dumps({"summary": res.summary,
                                        "violations": [v.message for v in res.violations]}))

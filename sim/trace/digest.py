@@ -11,7 +11,6 @@ import hashlib
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 
 class TableDigest:
@@ -25,18 +24,23 @@ class TableDigest:
             col = batch.column(f.name)
             if isinstance(col, pa.ChunkedArray):
                 col = col.combine_chunks()
-            if pa.types.is_list(f.type):
-                lengths.update(pc.list_value_length(col).to_numpy(zero_copy_only=False)
-                               .astype(np.int32).tobytes())
-                col = pc.list_flatten(col)
-                values.update(col.to_numpy(zero_copy_only=False).astype(np.int32).tobytes())
-            elif pa.types.is_string(f.type):
-                strs = [s.encode() for s in col.to_pylist()]
-                lengths.update(np.fromiter(map(len, strs), np.int32, len(strs)).tobytes())
-                values.update(b"".join(strs))
-            else:
-                arr = col.to_numpy(zero_copy_only=False)
-                values.update(arr.astype(np.uint8 if arr.dtype == bool else arr.dtype).tobytes())
+            if pa.types.is_list(f.type) or pa.types.is_string(f.type):
+                # lengths from the offsets, values straight from Arrow's buffers (no copies)
+                off = np.frombuffer(col.buffers()[1], np.int32)
+                off = off[col.offset:col.offset + len(col) + 1]
+                lengths.update(np.diff(off).astype(np.int32).tobytes())
+                if pa.types.is_list(f.type):
+                    child = col.values
+                    buf = np.frombuffer(child.buffers()[1], np.int32)[child.offset:]
+                    values.update(buf[off[0]:off[-1]].tobytes() if len(col) else b"")
+                elif len(col) and col.buffers()[2] is not None:
+                    values.update(memoryview(col.buffers()[2])[off[0]:off[-1]])
+            elif pa.types.is_boolean(f.type):
+                values.update(col.to_numpy(zero_copy_only=False).astype(np.uint8).tobytes())
+            else:  # 8-byte integers: the data buffer is the canonical encoding
+                w = col.type.bit_width // 8
+                data = memoryview(col.buffers()[1])
+                values.update(data[col.offset * w:(col.offset + len(col)) * w])
 
     def hexdigest(self) -> str:
         h = hashlib.sha256(f"{self.name}:{self.schema}".encode())

@@ -10,7 +10,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import queue
 import shutil
+import threading
+from collections.abc import Mapping
 from itertools import chain
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from sim.trace.records import (
 )
 from sim.trace.schema import ROW_OF, SCHEMAS, TABLES
 
+_ROW_GROUP = 1 << 16  # rows of column batches gathered into one Parquet row group
 _FLUSH = 1 << 13  # rows per record batch: bounds the buffered Python tuples
 
 
@@ -62,10 +66,37 @@ class TraceWriter:
         remove_stale(self.out)
         self.tmp.mkdir(parents=True)
         self.writers = {n: pq.ParquetWriter(self.tmp / f"{n}.parquet", SCHEMAS[n],
-                                            compression="zstd") for n in TABLES}
+                                            compression="zstd", use_dictionary=False)
+                        for n in TABLES}
         self.buf: dict[str, list[tuple]] = {n: [] for n in TABLES}
         self.counts = dict.fromkeys(TABLES, 0)
+        self.batches: dict[str, list[pa.RecordBatch]] = {n: [] for n in TABLES}
         self.digests = {n: TableDigest(n, SCHEMAS[n]) for n in TABLES}
+        # Parquet encoding runs on a second thread (Arrow releases the GIL): the simulation and
+        # the digest go on meanwhile. Bounded, so a slow disk throttles the run, not memory.
+        self.q: queue.Queue = queue.Queue(maxsize=4)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._writer_loop, name="kvsim-trace-writer",
+                                       daemon=True)
+        self.thread.start()
+
+    def _writer_loop(self) -> None:
+        while (item := self.q.get()) is not None:
+            if self.error is None:
+                try:
+                    self.writers[item[0]].write_table(item[1])
+                except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                    self.error = e
+
+    def _write(self, table: str, data: pa.Table) -> None:
+        if self.error is not None:
+            raise self.error
+        self.q.put((table, data))
+
+    def _join(self) -> None:
+        if self.thread.is_alive():
+            self.q.put(None)
+            self.thread.join()
 
     def add(self, table: str, rec: object) -> None:
         b = self.buf[table]
@@ -80,15 +111,39 @@ class TraceWriter:
         for e in events:
             self.add("blocks", e)
 
+    def add_columns(self, table: str, cols: Mapping[str, object]) -> None:
+        """A batch already in columns (the fast engine): numpy arrays, or (offsets, values) for
+        list columns, in schema order. Same digest as the same values added record by record."""
+        schema = SCHEMAS[table]
+        batch = pa.RecordBatch.from_arrays(
+            [columnar_arrow(cols[f.name], f.type) for f in schema], schema=schema)
+        if batch.num_rows == 0:
+            return
+        self._flush(table)  # keep any records added before, in order
+        self.digests[table].update(batch)
+        self.counts[table] += batch.num_rows
+        pending = self.batches[table]
+        pending.append(batch)
+        if sum(b.num_rows for b in pending) >= _ROW_GROUP:
+            self._write_batches(table)
+
+    def _write_batches(self, table: str) -> None:
+        """Small column batches become one row group (a row group per batch is 10x slower)."""
+        pending = self.batches[table]
+        if pending:
+            self._write(table, pa.Table.from_batches(pending))
+            pending.clear()
+
     def _flush(self, table: str) -> None:
         b = self.buf[table]
         if not b:
             return
         schema = SCHEMAS[table]
+        self._write_batches(table)  # column batches added before these records go first
         cols = list(zip(*b, strict=True))
         batch = pa.RecordBatch.from_arrays(
             [to_arrow(c, f.type) for c, f in zip(cols, schema, strict=True)], schema=schema)
-        self.writers[table].write_batch(batch)
+        self._write(table, pa.Table.from_batches([batch]))
         self.digests[table].update(batch)
         self.counts[table] += len(b)
         b.clear()
@@ -98,6 +153,11 @@ class TraceWriter:
             self.add("violations", v)
         for n in TABLES:
             self._flush(n)
+            self._write_batches(n)
+        self._join()
+        if self.error is not None:
+            raise self.error
+        for n in TABLES:
             self.writers[n].close()
         manifest = dict(manifest, format_version=FORMAT_VERSION,
                         counts={n: self.counts[n] for n in TABLES},
@@ -110,12 +170,27 @@ class TraceWriter:
         return self.out
 
     def abort(self) -> None:
+        self.error = self.error or RuntimeError("aborted")  # the thread drops what is queued
+        self._join()
         for w in self.writers.values():
             try:
                 w.close()
             except Exception:  # noqa: BLE001 - best effort on the way out
                 pass
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def columnar_arrow(v: object, t: pa.DataType) -> pa.Array:
+    """numpy -> Arrow, copying: the batch is written later, and the fast engine reuses the
+    buffers these columns are views of (pa.array of numpy is zero-copy)."""
+    if isinstance(v, tuple):  # list column
+        offsets, values = v
+        return pa.ListArray.from_arrays(pa.array(np.array(offsets, np.int32)),
+                                        pa.array(np.array(values, np.int32)))
+    if pa.types.is_string(t):
+        return pa.array(np.asarray(v), pa.string())
+    dtype = {pa.bool_(): bool, pa.uint64(): np.uint64}.get(t, np.int64)
+    return pa.array(np.array(v, dtype), t)
 
 
 def to_arrow(values: tuple | list, t: pa.DataType) -> pa.Array:

@@ -1,0 +1,173 @@
+"""Kernel buffers -> trace columns (docs/trace.md, schema order) and, on demand, records."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from sim.fast import kernel as kn
+from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
+
+if TYPE_CHECKING:
+    from sim.fast.engine import Chunk, FastEngine
+
+_PHASE = np.array(["ctx", "gen"], dtype=object)
+_EV_PHASE = np.array(["sched", "proc"], dtype=object)
+_EVENT = np.array(kn.EVENTS, dtype=object)
+_REASON = np.array(kn.REASONS, dtype=object)
+
+
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, start+n) for each row, as a list column: (offsets int32, values int64)."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - starts, lengths)
+    return offsets.astype(np.int32), values
+
+
+def _listcol(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets, flat[:offsets[-1]]
+
+
+def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chunk:
+    from sim.fast.engine import Chunk
+    K = eng.K
+    S = eng.S[:0 if only_requests else K[kn.K_S]]
+    W = eng.W[:0 if only_requests else K[kn.K_R]]
+    E = eng.E[:K[kn.K_E] if eng.detail and not only_requests else 0]
+    steps = {
+        "step": S[:, 0], "t_sched_ns": S[:, 1], "t_launch_ns": S[:, 2],
+        "t_dev_start_ns": S[:, 3], "t_dev_end_ns": S[:, 4], "num_rows": S[:, 5],
+        "num_ctx": S[:, 6], "num_gen": S[:, 7], "num_tokens": S[:, 8],
+        "backend": np.full(len(S), eng.sw.backend, dtype=object), "plan_q_len": S[:, 9],
+        "plan_batch": S[:, 10], "plan_cache_size": S[:, 11], "blocks_used": S[:, 12],
+        "blocks_free": S[:, 13], "blocks_cached": S[:, 14], "graph_width": S[:, 15],
+        "processed_step": S[:, 0]}  # overlap off: each step is processed before the next
+    rows: dict[str, object] = {}
+    if eng.detail and len(W):
+        q = W[:, kn.W_Q]
+        n = len(W)
+        zeros, false = np.zeros(n, np.int64), np.zeros(n, bool)
+        rows = {
+            "step": W[:, kn.W_STEP], "row": W[:, kn.W_ROW], "request": W[:, kn.W_REQ],
+            "phase": _PHASE[W[:, kn.W_PHASE]], "q_len": q, "draft_len": zeros,
+            "first_gen": false, "prev_in_flight": false,
+            "pages": _listcol(eng.PG, W[:, kn.W_NPAGES]), "kv_indptr": W[:, kn.W_KVINDPTR],
+            "last_page_len": W[:, kn.W_LPL], "kv_len": W[:, kn.W_KVLEN],
+            "append_pos": ranges(W[:, kn.W_APPEND], q), "rope_pos": ranges(W[:, kn.W_ROPE], q),
+            "cached_host": W[:, kn.W_CACHED_HOST], "kv_len_host": W[:, kn.W_KVLEN_HOST],
+            "committed": W[:, kn.W_COMMIT], "alloc": _listcol(eng.AL, W[:, kn.W_NALLOC]),
+            "reserved": W[:, kn.W_RESERVED], "shared_blocks": zeros,
+            "tokens": _listcol(eng.TK, W[:, kn.W_NTOK]), "accepted": W[:, kn.W_ACCEPTED],
+            "new_tokens": W[:, kn.W_NEW], "prev_new_tokens": W[:, kn.W_PREVNEW],
+            "max_pos": np.full(n, eng.max_pos, np.int64)}
+    blocks = {
+        "step": E[:, 0], "phase": _EV_PHASE[E[:, 1]], "seq": E[:, 2], "event": _EVENT[E[:, 3]],
+        "block": E[:, 4], "request": E[:, 5], "refcount": E[:, 6], "src": E[:, 7],
+        "num_tokens": np.zeros(len(E), np.int64), "hash": np.zeros(len(E), np.uint64)}
+    return Chunk(steps, rows, blocks, _requests(eng, D), S[:, 17].copy())
+
+
+def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:
+    P, nhost = D[:, kn.D_P], D[:, kn.D_NHOST]
+    n_out = np.maximum(P, nhost) - P
+    _, p_idx = ranges(D[:, kn.D_TOK], P)
+    _, o_idx = ranges(D[:, kn.D_TOK] + P, n_out)
+    zeros = np.zeros(len(D), np.int64)
+    reason = D[:, kn.D_REASON]
+    t = eng.totals
+    t["requests"] += len(D)
+    t["finished"] += int(((reason == 1) | (reason == 2)).sum())
+    t["rejected"] += int((reason == 3).sum())
+    t["output_tokens"] += int(n_out.sum())
+    t["prompt_tokens"] += int(P.sum())
+    t["gen_steps"] += int(D[:, kn.D_GSTEPS].sum())
+    t["preemptions"] += int(D[:, kn.D_NPRE].sum())
+    return {
+        "request": D[:, kn.D_RID], "arrival_ns": D[:, kn.D_ARR], "prompt_len": P,
+        "output_len": D[:, kn.D_O],
+        "prompt_tokens": (_offsets(P), eng.toks[p_idx]),
+        "output_tokens": (_offsets(n_out), eng.toks[o_idx]),
+        "reused_tokens": zeros, "first_token_ns": D[:, kn.D_FIRST], "finish_ns": D[:, kn.D_FIN],
+        "finish_reason": _REASON[reason], "num_preemptions": D[:, kn.D_NPRE],
+        "num_steps": D[:, kn.D_GSTEPS], "accepted_drafts": zeros, "proposed_drafts": zeros}
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    o = np.zeros(len(lengths) + 1, np.int32)
+    np.cumsum(lengths, out=o[1:])
+    return o
+
+
+def violations_of(eng: FastEngine, V: np.ndarray) -> list[Violation]:
+    out = []
+    for code, step, rid, x, y in V.tolist():
+        if code == kn.V_I18:
+            out.append(Violation("I18", step, rid, f"I18 step {step} req {rid}: after processing, "
+                                 f"reserved C={x} but N-1={y} with no step in flight"))
+        else:
+            out.append(Violation(
+                "LIVENESS", step, rid, f"LIVENESS step {step} req {rid}: requests are waiting, "
+                f"nothing runs or is in flight, and nothing can be scheduled ({x} blocks free)"))
+    return out
+
+
+# -- records (the online checker and in-memory tables read these) ----------------------------
+def _col(v: object, i: int) -> object:
+    if isinstance(v, tuple):
+        off, vals = v
+        return tuple(vals[off[i]:off[i + 1]].tolist())
+    return v[i].item() if isinstance(v, np.ndarray) and v.dtype != object else v[i]  # type: ignore
+
+
+def records(cols: Mapping[str, object], cls: type) -> list:
+    first = next(iter(cols.values()))
+    n = len(first[0]) - 1 if isinstance(first, tuple) else len(first)  # type: ignore[arg-type]
+    names = list(cols)
+    return [cls(**{k: _col(cols[k], i) for k in names}) for i in range(n)]
+
+
+Step = tuple[StepRecord, list[RowRecord], list[BlockEvent]]
+
+
+class StepStream:
+    """Chunks -> (step, rows, events) as the reference engine hands them to its sink: a step
+    goes with every event emitted from its launch to the next launch, and those can arrive in
+    the next chunk, so the last step of a chunk is held back until then."""
+
+    def __init__(self) -> None:
+        self.held: Step | None = None
+
+    def feed(self, ch: Chunk) -> list[Step]:
+        steps = records(ch.steps, StepRecord)
+        rows = records(ch.rows, RowRecord) if ch.rows else []
+        by_step: dict[int, list[RowRecord]] = {}
+        for r in rows:
+            by_step.setdefault(r.step, []).append(r)
+        ev_by: dict[int, list[BlockEvent]] = {}
+        for e in records(ch.blocks, BlockEvent):
+            ev_by.setdefault(e.step, []).append(e)
+        out: list[Step] = []
+        if self.held is not None:
+            self.held[2].extend(ev_by.pop(self.held[0].step, []))
+            if steps:
+                out.append(self.held)
+                self.held = None
+        for s in steps:
+            out.append((s, by_step.get(s.step, []), ev_by.get(s.step, [])))
+        if out and self.held is None:
+            self.held = out.pop()
+        return out
+
+    def finish(self) -> list[Step]:
+        out = [self.held] if self.held is not None else []
+        self.held = None
+        return out
+
+
+def request_records(ch: Chunk) -> list[RequestRecord]:
+    return records(ch.requests, RequestRecord)

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # torch==2.13.0 resolves to the CPU build on these machines; the CPU replay backend needs it.
 EXTRAS := dev,cpu-ref
 
-.PHONY: run test lint bench setup clean
+.PHONY: run test lint bench bench-memory setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,8 +28,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# Side by side (fast vs reference engine) at 2,000 requests, then the targets at 10,000.
 bench: $(STAMP)
-	$(BIN)/python bench/run.py
+	$(BIN)/python bench/run.py --requests 2000 --workloads a --engines auto,reference --reps 1 \
+		--out bench/results/sim_side_by_side_2k.json
+	$(BIN)/python bench/run.py --requests 10000 --workloads a --reps 3 --reps-for checked=1 \
+		--out bench/results/sim_a10k.json
+	$(BIN)/python bench/run.py --requests 10000 --workloads b --reps 1 \
+		--out bench/results/sim_b10k.json
+
+bench-memory: $(STAMP)
+	$(BIN)/python bench/memory.py --requests 1000000 --scenario bench/workloads/a_vidur.toml \
+		--out bench/results/memory_1m.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

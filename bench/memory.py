@@ -1,5 +1,7 @@
 """Peak memory of a long run with the trace written (performance issue: 1,000,000 requests with
-the trace on in < 2 GB peak RSS). `python bench/memory.py --requests 1000000`.
+the trace on in < 2 GB peak RSS). `make bench-memory` runs:
+    python bench/memory.py --requests 1000000 --scenario bench/workloads/a_vidur.toml \
+        --out bench/results/memory_1m.json
 
 Nothing per step or per request is kept in memory (`collect=False`): the workload is generated
 lazily, finished requests leave the engine, and the trace streams to Parquet in record batches.
@@ -31,6 +33,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1_000_000)
     ap.add_argument("--scenario", default="bench/workloads/b_mtp.toml")
     ap.add_argument("--check", action="store_true", help="also check every invariant")
+    ap.add_argument("--engine", default="auto", help="auto | fast | reference (sim.api.run)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "memory.json")
     args = ap.parse_args()
     from sim.api import load_scenario, run
@@ -46,7 +49,7 @@ def main() -> None:
     t0 = time.perf_counter()
     try:
         res = run(sc, out=tmp / "trace", check=args.check, base_dir=base, collect=False,
-                  on_progress=lambda k: curve.append((k, rss_mb())))
+                  on_progress=lambda k: curve.append((k, rss_mb())), engine=args.engine)
         size = sum(f.stat().st_size for f in (tmp / "trace").iterdir())
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -57,6 +60,7 @@ def main() -> None:
                             text=True, cwd=ROOT).stdout.strip()
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
            "scenario": args.scenario, "requests": args.requests, "check": args.check,
+           "engine": res.summary["engine"],
            "steps": res.summary["steps"], "violations": res.summary["violations"],
            "wall_s": round(wall, 1), "peak_rss_mb": round(peak, 1),
            "trace_mb": round(size / 2**20, 1),

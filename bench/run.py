@@ -35,21 +35,23 @@ wl = sc.workload.model_copy(update={"synthetic": sc.workload.synthetic.model_cop
 sc = sc.model_copy(update={"workload": wl})
 out = sys.argv[3] if sys.argv[3] != "-" else None
 t1, c1 = time.perf_counter(), time.process_time()
-res = run(sc, out=out, check=sys.argv[4] == "1", base_dir=base, collect=False)
+res = run(sc, out=out, check=sys.argv[4] == "1", base_dir=base, collect=False,
+          engine=sys.argv[5])
 t2, c2 = time.perf_counter(), time.process_time()
 s = res.summary
 print(json.dumps({"loop_s": t2 - t1, "loop_cpu_s": c2 - c1, "process_s": t2 - t0,
                   "process_cpu_s": c2, "steps": s["steps"],
                   "requests": s["requests"], "violations": s["violations"],
+                  "engine": s["engine"],
                   "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
 
-def once(wl: str, mode: str, n: int, tmp: Path) -> dict:
+def once(wl: str, mode: str, n: int, tmp: Path, engine: str) -> dict:
     out = str(tmp / f"{wl}-{mode}") if mode != "no-trace" else "-"
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", CHILD, WORKLOADS[wl], str(n), out,
-                          "1" if mode == "checked" else "0"],
+                          "1" if mode == "checked" else "0", engine],
                          capture_output=True, text=True, cwd=ROOT, check=True)
     d = json.loads(res.stdout.strip().splitlines()[-1])
     d["wall_s"] = time.perf_counter() - t0
@@ -61,6 +63,7 @@ def median_of(runs: list[dict]) -> dict:
         "loop_s", "loop_cpu_s", "process_s", "process_cpu_s", "wall_s", "peak_rss_mb")}
     r0 = runs[0]
     m.update(steps=r0["steps"], requests=r0["requests"], violations=r0["violations"],
+             engine=r0["engine"],
              req_per_s=r0["requests"] / m["loop_s"], steps_per_s=r0["steps"] / m["loop_s"],
              req_per_cpu_s=r0["requests"] / m["loop_cpu_s"],
              reps=len(runs))
@@ -73,27 +76,36 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workloads", default="ab")
     ap.add_argument("--modes", default="no-trace,trace,checked")
+    ap.add_argument("--engines", default="auto",
+                    help="auto,reference: each workload under each engine, side by side")
+    ap.add_argument("--reps-for", default="",
+                    help="per-mode repetitions, e.g. checked=1 (long runs)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim.json")
     args = ap.parse_args()
     import tempfile
     results = {}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        reps_for = dict(kv.split("=") for kv in args.reps_for.split(",") if kv)
         for wl in args.workloads:
-            for mode in args.modes.split(","):
-                once(wl, mode, min(args.requests, 200), tmp)  # warm-up (imports, disk cache)
-                runs = [once(wl, mode, args.requests, tmp) for _ in range(args.reps)]
-                results[f"{wl}/{mode}"] = median_of(runs)
-                r = results[f"{wl}/{mode}"]
-                print(f"{wl}/{mode:9s} {r['requests']} req {r['steps']} steps: loop "
-                      f"{r['loop_s']:.1f} s wall / {r['loop_cpu_s']:.1f} s CPU "
-                      f"({r['req_per_cpu_s']:.0f} req per CPU-s), process "
-                      f"{r['process_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+            for engine in args.engines.split(","):
+                for mode in args.modes.split(","):
+                    key = f"{wl}/{engine}/{mode}"
+                    once(wl, mode, min(args.requests, 200), tmp, engine)  # warm-up (JIT cache)
+                    reps = int(reps_for.get(mode, args.reps))
+                    r = results[key] = median_of(
+                        [once(wl, mode, args.requests, tmp, engine) for _ in range(reps)])
+                    print(f"{key:22s} ({r['engine']}) {r['requests']} req {r['steps']} steps: loop "
+                          f"{r['loop_s']:.1f} s wall / {r['loop_cpu_s']:.1f} s CPU "
+                          f"({r['req_per_cpu_s']:.0f} req per CPU-s), process "
+                          f"{r['process_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
+                          flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True, cwd=ROOT).stdout.strip()
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
             "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": __import__("os").cpu_count(), "requests": args.requests, "reps": args.reps}
+            "cpus": __import__("os").cpu_count(), "requests": args.requests, "reps": args.reps,
+            "engines": args.engines}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")

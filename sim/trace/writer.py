@@ -32,6 +32,7 @@ from sim.trace.records import (
 from sim.trace.schema import ROW_OF, SCHEMAS, TABLES
 
 _ROW_GROUP = 1 << 16  # rows of column batches gathered into one Parquet row group
+_GROUP_BYTES = 32 << 20  # ... or this many bytes, whichever comes first
 _FLUSH = 1 << 13  # rows per record batch: bounds the buffered Python tuples
 
 
@@ -124,7 +125,8 @@ class TraceWriter:
         self.counts[table] += batch.num_rows
         pending = self.batches[table]
         pending.append(batch)
-        if sum(b.num_rows for b in pending) >= _ROW_GROUP:
+        if (sum(b.num_rows for b in pending) >= _ROW_GROUP
+                or sum(b.nbytes for b in pending) >= _GROUP_BYTES):  # requests carry tokens
             self._write_batches(table)
 
     def _write_batches(self, table: str) -> None:

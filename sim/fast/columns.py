@@ -117,18 +117,19 @@ def violations_of(eng: FastEngine, V: np.ndarray) -> list[Violation]:
 
 
 # -- records (the online checker and in-memory tables read these) ----------------------------
-def _col(v: object, i: int) -> object:
+def _pylist(v: object) -> list:
+    """A column as Python values: one tolist() per column, tuples for list columns."""
     if isinstance(v, tuple):
         off, vals = v
-        return tuple(vals[off[i]:off[i + 1]].tolist())
-    return v[i].item() if isinstance(v, np.ndarray) and v.dtype != object else v[i]  # type: ignore
+        flat = vals[off[0]:off[-1]].tolist()
+        o = (off - off[0]).tolist()
+        return [tuple(flat[o[i]:o[i + 1]]) for i in range(len(o) - 1)]
+    return v.tolist()  # type: ignore[attr-defined]
 
 
 def records(cols: Mapping[str, object], cls: type) -> list:
-    first = next(iter(cols.values()))
-    n = len(first[0]) - 1 if isinstance(first, tuple) else len(first)  # type: ignore[arg-type]
-    names = list(cols)
-    return [cls(**{k: _col(cols[k], i) for k in names}) for i in range(n)]
+    """Column dict (schema order) -> records, built row-wise from per-column Python lists."""
+    return [cls(*row) for row in zip(*(_pylist(v) for v in cols.values()), strict=True)]
 
 
 Step = tuple[StepRecord, list[RowRecord], list[BlockEvent]]

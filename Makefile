@@ -12,6 +12,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
+	$(BIN)/python -c "import sim.fast; sim.fast.warm()"  # compile the fast engine once (numba cache)
 	rm -f $(VENV)/.installed-*; touch $@
 
 setup: $(STAMP)

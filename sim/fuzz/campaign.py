@@ -25,6 +25,7 @@ from hypothesis.errors import FlakyFailure, NoSuchExample
 
 from sim.api import RunResult, parse_scenario, run
 from sim.errors import KvsimError
+from sim.fast import warm
 from sim.fuzz.labels import path_labels, target_value
 from sim.fuzz.strategies import scenario_dicts
 
@@ -101,6 +102,7 @@ def evaluate(sc: dict[str, Any], profile: str, hang_s: float = HANG_S
              ) -> tuple[list[Hit], RunResult | None]:
     """Run one scenario dict; return its violations (or one crash/hang) and the result."""
     scenario = parse_scenario({**sc, "profile": profile}, "<fuzz>")
+    warm()  # the fast engine's first compile (seconds, once) must not look like a hang
     try:
         with hang_guard(hang_s):
             res = run(scenario, profile=profile)

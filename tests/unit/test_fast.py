@@ -141,3 +141,18 @@ def test_in_memory_tables_match_the_reference():
     assert fast.steps.equals(ref.steps)
     assert fast.requests.equals(ref.requests)
     assert fast.kv_series.equals(ref.kv_series)
+
+
+def test_the_fuzzer_compiles_the_kernel_before_its_hang_guard(monkeypatch):
+    """Regression (fresh-clone CI): the first numba compile ran inside the fuzzer's 0.5 s hang
+    guard and was reported as a hang. evaluate() now warms the kernel first."""
+    import sim.fast
+    from sim.fuzz.campaign import evaluate
+
+    monkeypatch.setattr(sim.fast, "_warm", False)
+    sc = {"spec": {"mode": "none"}, "overlap": {"enabled": False},
+          "cache": {"reuse": "off", "tokens_per_block": 4, "num_blocks": 16},
+          "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 5, "output_len": 3}]}}
+    hits, res = evaluate(sc, "vllm-v1")
+    assert sim.fast._warm and hits == [] and res is not None
+    assert res.summary["engine"] == "fast"

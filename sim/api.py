@@ -94,11 +94,17 @@ class _Sink:
         used = ch.steps["blocks_used"]
         if len(used):
             self.peak_blocks = max(self.peak_blocks, int(used.max()))
-        if self.checker is not None or self.collect:
+        if self.checker is not None:
             for step, rows, events in self.stream.feed(ch):
                 self._step_records(step, rows, events)
-            if self.collect:
-                self.requests.extend(request_records(ch))
+        elif self.collect:  # the tables need no row records: straight from the columns
+            st = ch.steps
+            self.steps.extend(zip(*(st[f].tolist() for f in st), strict=True))
+            self.kv.extend(zip(st["t_launch_ns"].tolist(), st["blocks_used"].tolist(),
+                               (ch.spare_slots / self.B).tolist(),
+                               st["blocks_cached"].tolist(), strict=True))
+        if self.collect:
+            self.requests.extend(request_records(ch))
         steps = ch.steps["step"]
         if self.progress is not None and len(steps):
             self.progress(int(steps[-1]))

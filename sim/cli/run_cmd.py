@@ -54,7 +54,7 @@ def run_cmd(
             task = bar.add_task(f"simulating {scenario.name}", total=None)
             res = run(sc, out=out, check=not no_check, profile=profile, switches=overrides,
                       base_dir=base, on_progress=lambda k: bar.update(task, completed=k),
-                      engine=engine)
+                      engine=engine, collect=False)  # summary, violations, trace: no tables
     if as_json:
         console.print_json(json.dumps({"summary": res.summary,
                                        "violations": [v.message for v in res.violations]}))

@@ -129,14 +129,16 @@ def test_fuzzed_scenarios_match_the_reference(tmp_path_factory, d, data):
     _both(sc, tmp_path_factory.mktemp("fast"), check=data.draw(st.booleans()))
 
 
-def test_in_memory_tables_match_the_reference():
+@pytest.mark.parametrize("check", [True, False])  # built through records / from columns
+def test_in_memory_tables_match_the_reference(check):
     """collect=True: the steps, requests and KV series tables (metrics, notebooks) are built
     from the fast engine's columns through records, under preemption."""
     sc, base = load_scenario(ROOT / "bench" / "workloads" / "a_vidur.toml")
     syn = sc.workload.synthetic.model_copy(update={"num_requests": 80})  # type: ignore[union-attr]
     sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"synthetic": syn}),
                                "cache": sc.cache.model_copy(update={"num_blocks": 500})})
-    fast, ref = run(sc, base_dir=base, engine="fast"), run(sc, base_dir=base, engine="reference")
+    fast = run(sc, base_dir=base, engine="fast", check=check)
+    ref = run(sc, base_dir=base, engine="reference", check=check)
     assert fast.summary["preemptions"] > 0
     assert fast.steps.equals(ref.steps)
     assert fast.requests.equals(ref.requests)

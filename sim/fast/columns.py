@@ -3,20 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from sim.fast import kernel as kn
+from sim.fast import fields as fl
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 
 if TYPE_CHECKING:
-    from sim.fast.engine import Chunk, FastEngine
+    from sim.fast.engine import FastEngine
 
 _PHASE = np.array(["ctx", "gen"], dtype=object)
 _EV_PHASE = np.array(["sched", "proc"], dtype=object)
-_EVENT = np.array(kn.EVENTS, dtype=object)
-_REASON = np.array(kn.REASONS, dtype=object)
+_EVENT = np.array(fl.EVENTS, dtype=object)
+_REASON = np.array(fl.REASONS, dtype=object)
+
+
+@dataclass
+class Chunk:
+    """One drain of the kernel's buffers, as trace columns (docs/trace.md) in schema order."""
+    steps: dict[str, np.ndarray]
+    rows: dict[str, object]  # list columns are (offsets int32, values int32)
+    blocks: dict[str, np.ndarray]
+    requests: dict[str, object]
+    spare_slots: np.ndarray  # per step: reserved - committed - new over rows (kv series)
 
 
 def ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -34,11 +45,10 @@ def _listcol(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 
 def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chunk:
-    from sim.fast.engine import Chunk
     K = eng.K
-    S = eng.S[:0 if only_requests else K[kn.K_S]]
-    W = eng.W[:0 if only_requests else K[kn.K_R]]
-    E = eng.E[:K[kn.K_E] if eng.detail and not only_requests else 0]
+    S = eng.S[:0 if only_requests else K[fl.K_S]]
+    W = eng.W[:0 if only_requests else K[fl.K_R]]
+    E = eng.E[:K[fl.K_E] if eng.detail and not only_requests else 0]
     steps = {
         "step": S[:, 0], "t_sched_ns": S[:, 1], "t_launch_ns": S[:, 2],
         "t_dev_start_ns": S[:, 3], "t_dev_end_ns": S[:, 4], "num_rows": S[:, 5],
@@ -49,21 +59,21 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
         "processed_step": S[:, 0]}  # overlap off: each step is processed before the next
     rows: dict[str, object] = {}
     if eng.detail and len(W):
-        q = W[:, kn.W_Q]
+        q = W[:, fl.W_Q]
         n = len(W)
         zeros, false = np.zeros(n, np.int64), np.zeros(n, bool)
         rows = {
-            "step": W[:, kn.W_STEP], "row": W[:, kn.W_ROW], "request": W[:, kn.W_REQ],
-            "phase": _PHASE[W[:, kn.W_PHASE]], "q_len": q, "draft_len": zeros,
+            "step": W[:, fl.W_STEP], "row": W[:, fl.W_ROW], "request": W[:, fl.W_REQ],
+            "phase": _PHASE[W[:, fl.W_PHASE]], "q_len": q, "draft_len": zeros,
             "first_gen": false, "prev_in_flight": false,
-            "pages": _listcol(eng.PG, W[:, kn.W_NPAGES]), "kv_indptr": W[:, kn.W_KVINDPTR],
-            "last_page_len": W[:, kn.W_LPL], "kv_len": W[:, kn.W_KVLEN],
-            "append_pos": ranges(W[:, kn.W_APPEND], q), "rope_pos": ranges(W[:, kn.W_ROPE], q),
-            "cached_host": W[:, kn.W_CACHED_HOST], "kv_len_host": W[:, kn.W_KVLEN_HOST],
-            "committed": W[:, kn.W_COMMIT], "alloc": _listcol(eng.AL, W[:, kn.W_NALLOC]),
-            "reserved": W[:, kn.W_RESERVED], "shared_blocks": zeros,
-            "tokens": _listcol(eng.TK, W[:, kn.W_NTOK]), "accepted": W[:, kn.W_ACCEPTED],
-            "new_tokens": W[:, kn.W_NEW], "prev_new_tokens": W[:, kn.W_PREVNEW],
+            "pages": _listcol(eng.PG, W[:, fl.W_NPAGES]), "kv_indptr": W[:, fl.W_KVINDPTR],
+            "last_page_len": W[:, fl.W_LPL], "kv_len": W[:, fl.W_KVLEN],
+            "append_pos": ranges(W[:, fl.W_APPEND], q), "rope_pos": ranges(W[:, fl.W_ROPE], q),
+            "cached_host": W[:, fl.W_CACHED_HOST], "kv_len_host": W[:, fl.W_KVLEN_HOST],
+            "committed": W[:, fl.W_COMMIT], "alloc": _listcol(eng.AL, W[:, fl.W_NALLOC]),
+            "reserved": W[:, fl.W_RESERVED], "shared_blocks": zeros,
+            "tokens": _listcol(eng.TK, W[:, fl.W_NTOK]), "accepted": W[:, fl.W_ACCEPTED],
+            "new_tokens": W[:, fl.W_NEW], "prev_new_tokens": W[:, fl.W_PREVNEW],
             "max_pos": np.full(n, eng.max_pos, np.int64)}
     blocks = {
         "step": E[:, 0], "phase": _EV_PHASE[E[:, 1]], "seq": E[:, 2], "event": _EVENT[E[:, 3]],
@@ -73,28 +83,28 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
 
 
 def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:
-    P, nhost = D[:, kn.D_P], D[:, kn.D_NHOST]
+    P, nhost = D[:, fl.D_P], D[:, fl.D_NHOST]
     n_out = np.maximum(P, nhost) - P
-    _, p_idx = ranges(D[:, kn.D_TOK], P)
-    _, o_idx = ranges(D[:, kn.D_TOK] + P, n_out)
+    _, p_idx = ranges(D[:, fl.D_TOK], P)
+    _, o_idx = ranges(D[:, fl.D_TOK] + P, n_out)
     zeros = np.zeros(len(D), np.int64)
-    reason = D[:, kn.D_REASON]
+    reason = D[:, fl.D_REASON]
     t = eng.totals
     t["requests"] += len(D)
     t["finished"] += int(((reason == 1) | (reason == 2)).sum())
     t["rejected"] += int((reason == 3).sum())
     t["output_tokens"] += int(n_out.sum())
     t["prompt_tokens"] += int(P.sum())
-    t["gen_steps"] += int(D[:, kn.D_GSTEPS].sum())
-    t["preemptions"] += int(D[:, kn.D_NPRE].sum())
+    t["gen_steps"] += int(D[:, fl.D_GSTEPS].sum())
+    t["preemptions"] += int(D[:, fl.D_NPRE].sum())
     return {
-        "request": D[:, kn.D_RID], "arrival_ns": D[:, kn.D_ARR], "prompt_len": P,
-        "output_len": D[:, kn.D_O],
+        "request": D[:, fl.D_RID], "arrival_ns": D[:, fl.D_ARR], "prompt_len": P,
+        "output_len": D[:, fl.D_O],
         "prompt_tokens": (_offsets(P), eng.toks[p_idx]),
         "output_tokens": (_offsets(n_out), eng.toks[o_idx]),
-        "reused_tokens": zeros, "first_token_ns": D[:, kn.D_FIRST], "finish_ns": D[:, kn.D_FIN],
-        "finish_reason": _REASON[reason], "num_preemptions": D[:, kn.D_NPRE],
-        "num_steps": D[:, kn.D_GSTEPS], "accepted_drafts": zeros, "proposed_drafts": zeros}
+        "reused_tokens": zeros, "first_token_ns": D[:, fl.D_FIRST], "finish_ns": D[:, fl.D_FIN],
+        "finish_reason": _REASON[reason], "num_preemptions": D[:, fl.D_NPRE],
+        "num_steps": D[:, fl.D_GSTEPS], "accepted_drafts": zeros, "proposed_drafts": zeros}
 
 
 def _offsets(lengths: np.ndarray) -> np.ndarray:
@@ -106,7 +116,7 @@ def _offsets(lengths: np.ndarray) -> np.ndarray:
 def violations_of(eng: FastEngine, V: np.ndarray) -> list[Violation]:
     out = []
     for code, step, rid, x, y in V.tolist():
-        if code == kn.V_I18:
+        if code == fl.V_I18:
             out.append(Violation("I18", step, rid, f"I18 step {step} req {rid}: after processing, "
                                  f"reserved C={x} but N-1={y} with no step in flight"))
         else:

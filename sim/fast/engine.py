@@ -9,12 +9,13 @@ unless the online checker asks for records.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import numpy as np
 
 from sim.config import Scenario
-from sim.fast import kernel as kn
+from sim.fast import fields as fl
+from sim.fast.columns import Chunk, chunk_of, violations_of
+from sim.fast.kernel import loop
 from sim.profiles import Switches
 from sim.spec import Acceptance
 from sim.trace.records import Violation
@@ -23,16 +24,6 @@ from sim.workload import RequestSpec
 _ARRIVALS = 1024  # specs pulled from the workload per refill
 _STEPS = 4096  # steps per chunk (output buffers are sized from this)
 _TOKENS = 1 << 16  # initial token buffer (grows by compaction)
-
-
-@dataclass
-class Chunk:
-    """One drain of the kernel's buffers, as trace columns (docs/trace.md) in schema order."""
-    steps: dict[str, np.ndarray]
-    rows: dict[str, object]  # list columns are (offsets int32, values int32)
-    blocks: dict[str, np.ndarray]
-    requests: dict[str, object]
-    spare_slots: np.ndarray  # per step: reserved - committed - new over rows (kv series)
 
 
 def supports(sc: Scenario, sw: Switches) -> str | None:
@@ -71,36 +62,36 @@ class FastEngine:
     # -- set-up -----------------------------------------------------------------------------
     def _config(self) -> np.ndarray:
         sc, sw = self.sc, self.sw
-        cfg = np.zeros(kn.NC, np.int64)
-        cfg[kn.C_B], cfg[kn.C_MAXB] = self.B, sc.scheduler.max_batch_size
-        cfg[kn.C_MAXTOK], cfg[kn.C_CHUNK] = sc.scheduler.max_num_tokens, sc.scheduler.chunk_size
-        cfg[kn.C_POLICY] = kn.GNE if sc.scheduler.policy == "guaranteed-no-evict" else kn.MAXUTIL
-        cfg[kn.C_BACKEND] = {"fa2": kn.FA2, "fa3": kn.FA3, "xqa": kn.XQA}[sw.backend]
-        cfg[kn.C_WIDTH] = {"reserved": kn.W_RESERVED, "logical-host": kn.W_LHOST,
-                           "logical-device": kn.W_LDEV}[sw.gen_table_width]
-        cfg[kn.C_CLAMP], cfg[kn.C_MAXPOS] = sw.draft_clamp, self.max_pos
-        cfg[kn.C_MAXSEQ] = sc.limits.max_seq_len
-        cfg[kn.C_PLANKEY] = {"fresh": kn.P_FRESH, "no-width": kn.P_NOWIDTH,
-                             "per-batch": kn.P_PERBATCH}[sw.plan_key]
-        cfg[kn.C_USABLE], cfg[kn.C_DETAIL] = self.num_usable, self.detail
+        cfg = np.zeros(fl.NC, np.int64)
+        cfg[fl.C_B], cfg[fl.C_MAXB] = self.B, sc.scheduler.max_batch_size
+        cfg[fl.C_MAXTOK], cfg[fl.C_CHUNK] = sc.scheduler.max_num_tokens, sc.scheduler.chunk_size
+        cfg[fl.C_POLICY] = fl.GNE if sc.scheduler.policy == "guaranteed-no-evict" else fl.MAXUTIL
+        cfg[fl.C_BACKEND] = {"fa2": fl.FA2, "fa3": fl.FA3, "xqa": fl.XQA}[sw.backend]
+        cfg[fl.C_WIDTH] = {"reserved": fl.W_RESERVED, "logical-host": fl.W_LHOST,
+                           "logical-device": fl.W_LDEV}[sw.gen_table_width]
+        cfg[fl.C_CLAMP], cfg[fl.C_MAXPOS] = sw.draft_clamp, self.max_pos
+        cfg[fl.C_MAXSEQ] = sc.limits.max_seq_len
+        cfg[fl.C_PLANKEY] = {"fresh": fl.P_FRESH, "no-width": fl.P_NOWIDTH,
+                             "per-batch": fl.P_PERBATCH}[sw.plan_key]
+        cfg[fl.C_USABLE], cfg[fl.C_DETAIL] = self.num_usable, self.detail
         c = sc.cost
-        cfg[kn.C_STEP_BASE], cfg[kn.C_NS_TOK], cfg[kn.C_NS_KV] = (
+        cfg[fl.C_STEP_BASE], cfg[fl.C_NS_TOK], cfg[fl.C_NS_KV] = (
             c.step_base_ns, c.ns_per_token, c.ns_per_kv_token)
-        cfg[kn.C_HOST_BASE], cfg[kn.C_HOST_ROW] = c.host_base_ns, c.host_ns_per_row
+        cfg[fl.C_HOST_BASE], cfg[fl.C_HOST_ROW] = c.host_base_ns, c.host_ns_per_row
         return cfg
 
     def _alloc_state(self) -> None:
         sc = self.sc
-        self.G = np.zeros(kn.NG, np.int64)
-        self.G[kn.G_STALL] = -1
-        self.G[kn.G_MORE] = 1
-        self.G[kn.G_PROCESSED] = -1
+        self.G = np.zeros(fl.NG, np.int64)
+        self.G[fl.G_STALL] = -1
+        self.G[fl.G_MORE] = 1
+        self.G[fl.G_PROCESSED] = -1
         first = 1 if self.sw.null_block else 0
         self.pool = np.arange(first, sc.cache.num_blocks, dtype=np.int64)
-        self.G[kn.G_PLEN] = len(self.pool)
+        self.G[fl.G_PLEN] = len(self.pool)
         self.width = max(sc.blocks_per_seq, -(-sc.limits.max_seq_len // self.B)) + 2
         self.cap = 0
-        self.R = np.zeros((0, kn.NF), np.int64)
+        self.R = np.zeros((0, fl.NF), np.int64)
         self.T = np.zeros((0, self.width), np.int64)
         self.run_q = np.zeros(0, np.int64)
         self.wait = np.zeros(0, np.int64)
@@ -116,7 +107,7 @@ class FastEngine:
     def _grow(self, cap: int) -> None:
         """More request slots (live requests: waiting + running); the rings are re-based."""
         old = self.cap
-        R = np.zeros((cap, kn.NF), np.int64)
+        R = np.zeros((cap, fl.NF), np.int64)
         R[:old] = self.R
         T = np.zeros((cap, self.width), np.int64)
         T[:old] = self.T
@@ -124,13 +115,13 @@ class FastEngine:
         run_q[:old] = self.run_q
         wait = np.zeros(cap, np.int64)
         G = self.G
-        n = int(G[kn.G_WLEN])
+        n = int(G[fl.G_WLEN])
         if n:
-            wait[:n] = self.wait[(G[kn.G_WHEAD] + np.arange(n)) % old]
-        G[kn.G_WHEAD] = 0
-        free = self.slots[:G[kn.G_NSLOT]]
+            wait[:n] = self.wait[(G[fl.G_WHEAD] + np.arange(n)) % old]
+        G[fl.G_WHEAD] = 0
+        free = self.slots[:G[fl.G_NSLOT]]
         slots = np.concatenate([np.arange(cap - 1, old - 1, -1), free]).astype(np.int64)
-        G[kn.G_NSLOT] = len(slots)
+        G[fl.G_NSLOT] = len(slots)
         self.R, self.T, self.run_q, self.wait, self.slots, self.cap = R, T, run_q, wait, slots, cap
 
     def _alloc_buffers(self) -> None:
@@ -144,28 +135,28 @@ class FastEngine:
         self.room = np.array([1, rows, d * pages, d * pages, d * (maxtok + maxb),
                               d * (4 * sc.cache.num_blocks + 2), rows, maxb + 2], np.int64)
         nr = _STEPS * 16
-        self.S = np.zeros((_STEPS + 1, kn.NS), np.int64)
-        self.W = np.zeros((nr + rows, kn.NW), np.int64)
+        self.S = np.zeros((_STEPS + 1, fl.NS), np.int64)
+        self.W = np.zeros((nr + rows, fl.NW), np.int64)
         self.PG = np.zeros(d * nr * 48 + pages + 1, np.int32)
         self.AL = np.zeros_like(self.PG)
         self.TK = np.zeros(d * nr * 4 + maxtok + maxb + 1, np.int32)
-        self.E = np.zeros((d * nr * 2 + self.room[kn.K_E] + 1, 8), np.int64)
-        self.D = np.zeros((4 * _ARRIVALS + 2 * self.cap + rows, kn.ND), np.int64)
+        self.E = np.zeros((d * nr * 2 + self.room[fl.K_E] + 1, 8), np.int64)
+        self.D = np.zeros((4 * _ARRIVALS + 2 * self.cap + rows, fl.ND), np.int64)
         self.V = np.zeros((256 + maxb + 2, 5), np.int64)
-        self.K = np.zeros(kn.NK, np.int64)
+        self.K = np.zeros(fl.NK, np.int64)
 
     # -- arrivals ---------------------------------------------------------------------------
     def _refill(self) -> None:
         """Pull specs until one arrives after `now` (so the loop knows the next arrival)."""
         G = self.G
-        keep = self.AR[G[kn.G_AI]:G[kn.G_AN]]
+        keep = self.AR[G[fl.G_AI]:G[fl.G_AN]]
         new: list[tuple[RequestSpec, np.ndarray]] = []
         last = int(keep[-1, 1]) if len(keep) else -1
         # a batch of specs, and at least up to the first one after now
-        while len(new) < _ARRIVALS or last <= G[kn.G_NOW]:
+        while len(new) < _ARRIVALS or last <= G[fl.G_NOW]:
             spec = next(self.specs, None)
             if spec is None:
-                G[kn.G_MORE] = 0
+                G[fl.G_MORE] = 0
                 break
             # the reference engine's draws, in its order (Processor.arrive)
             outs = self.tok_rng.integers(0, 32000, size=spec.output_len + self.slack,
@@ -177,12 +168,12 @@ class FastEngine:
         if self.tok_end + need > len(self.toks):
             self._compact(need)  # before any new offset is handed out
         rows = [self._arrival(sp, o) for sp, o in new]
-        self.AR = np.concatenate([self.AR[G[kn.G_AI]:G[kn.G_AN]],
+        self.AR = np.concatenate([self.AR[G[fl.G_AI]:G[fl.G_AN]],
                                   np.array(rows, np.int64).reshape(-1, 6)])
-        G[kn.G_AI], G[kn.G_AN] = 0, len(self.AR)
-        if len(self.AR) + self.room[kn.K_D] > len(self.D):  # see the loop's room check
-            self.D = np.zeros((2 * len(self.AR) + self.room[kn.K_D], kn.ND), np.int64)
-        live = self.cap - int(G[kn.G_NSLOT]) + len(self.AR)
+        G[fl.G_AI], G[fl.G_AN] = 0, len(self.AR)
+        if len(self.AR) + self.room[fl.K_D] > len(self.D):  # see the loop's room check
+            self.D = np.zeros((2 * len(self.AR) + self.room[fl.K_D], fl.ND), np.int64)
+        live = self.cap - int(G[fl.G_NSLOT]) + len(self.AR)
         if live > self.cap:
             self._grow(2 * live)
 
@@ -203,9 +194,9 @@ class FastEngine:
         """Drop the tokens of emitted requests; live and pending ones move to a fresh buffer."""
         G = self.G
         free = np.zeros(self.cap, bool)
-        free[self.slots[:G[kn.G_NSLOT]]] = True
-        owners = [(self.R, int(s), kn.F_TOK, kn.F_P, kn.F_O) for s in np.flatnonzero(~free)]
-        owners += [(self.AR, i, 4, 2, 3) for i in range(int(G[kn.G_AI]), int(G[kn.G_AN]))]
+        free[self.slots[:G[fl.G_NSLOT]]] = True
+        owners = [(self.R, int(s), fl.F_TOK, fl.F_P, fl.F_O) for s in np.flatnonzero(~free)]
+        owners += [(self.AR, i, 4, 2, 3) for i in range(int(G[fl.G_AI]), int(G[fl.G_AN]))]
         total = sum(int(a[i, p] + a[i, o]) + self.slack for a, i, _, p, o in owners) + need
         out = np.zeros(max(_TOKENS, 2 * total), np.int32)
         end = 0
@@ -221,53 +212,51 @@ class FastEngine:
     def run(self) -> None:
         while True:
             G = self.G
-            if G[kn.G_MORE] and (G[kn.G_AI] == G[kn.G_AN]
-                                 or self.AR[G[kn.G_AN] - 1, 1] <= G[kn.G_NOW]):
+            if G[fl.G_MORE] and (G[fl.G_AI] == G[fl.G_AN]
+                                 or self.AR[G[fl.G_AN] - 1, 1] <= G[fl.G_NOW]):
                 self._refill()
-            code = kn.loop(self.G, self.K, self.cfg, self.room, self.R, self.T, self.run_q,
+            code = loop(self.G, self.K, self.cfg, self.room, self.R, self.T, self.run_q,
                            self.wait, self.pool, self.slots, self.flat, self.toks, self.seen,
                            self.AR, self.S, self.W, self.PG, self.AL, self.TK, self.E, self.D,
                            self.V)
-            self._drain(full=code != kn.NEED_ARRIVALS)
-            if code == kn.DONE:
+            self._drain(full=code != fl.NEED_ARRIVALS)
+            if code == fl.DONE:
                 break
         self._finish_all()
 
     @property
     def step(self) -> int:
-        return int(self.G[kn.G_STEP])
+        return int(self.G[fl.G_STEP])
 
     @property
     def now(self) -> int:
-        return int(self.G[kn.G_NOW])
+        return int(self.G[fl.G_NOW])
 
     def _drain(self, full: bool) -> None:
         """Requests and violations at every return (token compaction may follow); steps, rows
         and events only once the buffers are full or the run is over (big batches)."""
-        from sim.fast.columns import chunk_of, violations_of
         K = self.K
-        self.violations.extend(violations_of(self, self.V[:K[kn.K_V]]))
-        self.on_chunk(chunk_of(self, self.D[:K[kn.K_D]], only_requests=not full))
-        K[kn.K_D] = K[kn.K_V] = 0
+        self.violations.extend(violations_of(self, self.V[:K[fl.K_V]]))
+        self.on_chunk(chunk_of(self, self.D[:K[fl.K_D]], only_requests=not full))
+        K[fl.K_D] = K[fl.K_V] = 0
         if full:
             K[:] = 0
 
     def _finish_all(self) -> None:
         """Processor.finish_all: requests still live are emitted unfinished, by request id."""
-        from sim.fast.columns import chunk_of
         G = self.G
         free = np.zeros(self.cap, bool)
-        free[self.slots[:G[kn.G_NSLOT]]] = True
+        free[self.slots[:G[fl.G_NSLOT]]] = True
         live = np.flatnonzero(~free)  # arrived, never freed (specs not yet arrived never will)
         if not len(live):
             return
         R = self.R[live]
-        D = np.zeros((len(live), kn.ND), np.int64)
-        for d, f in ((kn.D_RID, kn.F_RID), (kn.D_ARR, kn.F_ARR), (kn.D_P, kn.F_P),
-                     (kn.D_O, kn.F_O), (kn.D_TOK, kn.F_TOK), (kn.D_NHOST, kn.F_NHOST)):
+        D = np.zeros((len(live), fl.ND), np.int64)
+        for d, f in ((fl.D_RID, fl.F_RID), (fl.D_ARR, fl.F_ARR), (fl.D_P, fl.F_P),
+                     (fl.D_O, fl.F_O), (fl.D_TOK, fl.F_TOK), (fl.D_NHOST, fl.F_NHOST)):
             D[:, d] = R[:, f]
-        D[:, kn.D_FIRST], D[:, kn.D_FIN] = R[:, kn.F_FIRST], -1
-        D[:, kn.D_REASON], D[:, kn.D_NPRE] = 0, R[:, kn.F_NPRE]
-        D[:, kn.D_GSTEPS] = R[:, kn.F_GSTEPS]
-        D = D[np.argsort(D[:, kn.D_RID], kind="stable")]
+        D[:, fl.D_FIRST], D[:, fl.D_FIN] = R[:, fl.F_FIRST], -1
+        D[:, fl.D_REASON], D[:, fl.D_NPRE] = 0, R[:, fl.F_NPRE]
+        D[:, fl.D_GSTEPS] = R[:, fl.F_GSTEPS]
+        D = D[np.argsort(D[:, fl.D_RID], kind="stable")]
         self.on_chunk(chunk_of(self, D, only_requests=True))

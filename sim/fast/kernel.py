@@ -8,7 +8,7 @@ to the same trace digest.
 
 State lives in arrays the Python driver (sim/fast/engine.py) allocates:
 
-    R[slot, field]   per-request state (fields below)      T[slot, i]  block table (logical)
+    R[slot, field]   per-request state (sim/fast/fields)    T[slot, i]  block table (logical)
     run[:G_NRUN]     running requests in order (slots)     wait ring   waiting queue (slots)
     pool ring        free blocks, LRU head first           flat        FlashInfer's kv_indices
     A*               pending arrivals [G_AI, G_AN)         G[...]      loop scalars
@@ -19,166 +19,73 @@ from __future__ import annotations
 import numba as nb
 import numpy as np
 
-# -- per-request fields (columns of R) -------------------------------------------------------
-(F_RID, F_ARR, F_P, F_O, F_TOK, F_STATE, F_PREFILL, F_CTXPOS, F_COMMIT, F_NHOST, F_C, F_A,
- F_GSTEPS, F_PREVNEW, F_FIRST, F_FIN, F_REASON, F_NPRE, F_PAUSE, F_LIM, F_BTC, NF) = range(22)
-# states (sim.request.State) and finish reasons
-S_WAIT, S_CTX, S_GEN, S_FIN = 0, 1, 2, 3
-REASONS = ("unfinished", "length", "max_seq_len", "rejected")
-# loop scalars (G)
-(G_NOW, G_STEP, G_DEVFREE, G_STALL, G_SEQ, G_EVSTEP, G_EVPHASE, G_NRUN, G_WHEAD, G_WLEN,
- G_PHEAD, G_PLEN, G_AI, G_AN, G_MORE, G_NSLOT, G_NPLANS, G_PROCESSED, NG) = range(19)
-# output counters (K)
-(K_S, K_R, K_PG, K_AL, K_TK, K_E, K_D, K_V, NK) = range(9)
-# configuration (cfg)
-(C_B, C_MAXB, C_MAXTOK, C_CHUNK, C_POLICY, C_BACKEND, C_WIDTH, C_CLAMP, C_MAXPOS, C_MAXSEQ,
- C_PLANKEY, C_USABLE, C_DETAIL, C_STEP_BASE, C_NS_TOK, C_NS_KV, C_HOST_BASE, C_HOST_ROW,
- NC) = range(19)
-GNE, MAXUTIL = 1, 0
-FA2, FA3, XQA = 0, 1, 2
-W_RESERVED, W_LHOST, W_LDEV = 0, 1, 2
-P_FRESH, P_NOWIDTH, P_PERBATCH = 0, 1, 2
-# event codes (sim.kv.events), violation codes
-E_ALLOC, E_FREE, E_DONE = 0, 1, 2
-EVENTS = ("alloc", "free", "done")
-V_I18, V_LIVENESS = 0, 1
-# step columns (S) and row columns (W)
-NS = 18  # StepRecord's 17 ints without backend, + spare slots (kv series)
-(W_STEP, W_ROW, W_REQ, W_PHASE, W_Q, W_KVINDPTR, W_LPL, W_KVLEN, W_APPEND, W_ROPE,
- W_CACHED_HOST, W_KVLEN_HOST, W_COMMIT, W_RESERVED, W_ACCEPTED, W_NEW, W_PREVNEW, W_NPAGES,
- W_NALLOC, W_NTOK, NW) = range(21)
-# done-request columns (D)
-(D_RID, D_ARR, D_P, D_O, D_TOK, D_NHOST, D_FIRST, D_FIN, D_REASON, D_NPRE, D_GSTEPS, ND) = range(12)
-# codes the loop returns with
-DONE, NEED_ARRIVALS, FLUSH = 0, 1, 2
-
-
-@nb.njit(cache=True)
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-@nb.njit(cache=True)
-def _emit(G, K, E, cfg, ev, block, req, refcount, src):  # type: ignore[no-untyped-def]
-    """EventLog.emit: the sequence number moves even when events are not recorded."""
-    if cfg[C_DETAIL]:
-        i = K[K_E]
-        E[i, 0], E[i, 1], E[i, 2], E[i, 3] = G[G_EVSTEP], G[G_EVPHASE], G[G_SEQ], ev
-        E[i, 4], E[i, 5], E[i, 6], E[i, 7] = block, req, refcount, src
-        K[K_E] = i + 1
-    G[G_SEQ] += 1
-
-
-@nb.njit(cache=True)
-def _allocate(G, K, E, cfg, pool, T, R, s, n):  # type: ignore[no-untyped-def]
-    """BlockPool.allocate + KVManager bookkeeping: n blocks from the LRU head onto slot s."""
-    if n > G[G_PLEN]:
-        return False
-    N = pool.shape[0]
-    for _ in range(n):
-        b = pool[G[G_PHEAD]]
-        G[G_PHEAD] = (G[G_PHEAD] + 1) % N
-        G[G_PLEN] -= 1
-        _emit(G, K, E, cfg, E_ALLOC, b, R[s, F_RID], 1, -1)
-        T[s, R[s, F_A]] = b
-        R[s, F_A] += 1
-    return True
-
-
-@nb.njit(cache=True)
-def _free_blocks(G, K, E, cfg, pool, T, R, s):  # type: ignore[no-untyped-def]
-    """KVManager.free: every block back to the LRU tail, last block first."""
-    N = pool.shape[0]
-    for i in range(R[s, F_A] - 1, -1, -1):
-        pool[(G[G_PHEAD] + G[G_PLEN]) % N] = T[s, i]
-        G[G_PLEN] += 1
-        _emit(G, K, E, cfg, E_FREE, T[s, i], R[s, F_RID], 0, -1)
-    R[s, F_A] = 0
-    R[s, F_C] = 0
-
-
-@nb.njit(cache=True)
-def _run_remove(G, run, s):  # type: ignore[no-untyped-def]
-    n = G[G_NRUN]
-    j = 0
-    while run[j] != s:
-        j += 1
-    run[j:n - 1] = run[j + 1:n]
-    G[G_NRUN] = n - 1
-
-
-@nb.njit(cache=True)
-def _done(K, D, R, s):  # type: ignore[no-untyped-def]
-    """Processor._emit: the request record, in emission order (the requests table's order)."""
-    i = K[K_D]
-    D[i, D_RID], D[i, D_ARR], D[i, D_P], D[i, D_O] = R[s, F_RID], R[s, F_ARR], R[s, F_P], R[s, F_O]
-    D[i, D_TOK], D[i, D_NHOST], D[i, D_FIRST] = R[s, F_TOK], R[s, F_NHOST], R[s, F_FIRST]
-    D[i, D_FIN], D[i, D_REASON], D[i, D_NPRE] = R[s, F_FIN], R[s, F_REASON], R[s, F_NPRE]
-    D[i, D_GSTEPS] = R[s, F_GSTEPS]
-    K[K_D] = i + 1
-
-
-@nb.njit(cache=True)
-def _violation(K, V, code, step, rid, x, y):  # type: ignore[no-untyped-def]
-    i = K[K_V]
-    V[i, 0], V[i, 1], V[i, 2], V[i, 3], V[i, 4] = code, step, rid, x, y
-    K[K_V] = i + 1
+from sim.fast import fields as fl
+from sim.fast.pool import (
+    _allocate,
+    _cdiv,
+    _done,
+    _emit,
+    _free_blocks,
+    _run_remove,
+    _violation,
+)
 
 
 @nb.njit(cache=True)
 def _arrive(G, K, D, R, wait, slots, AR, cfg):  # type: ignore[no-untyped-def]
     """Engine._arrive + Processor.arrive; AR rows: rid, arrival, P, O, token offset, rejected."""
-    while G[G_AI] < G[G_AN] and AR[G[G_AI], 1] <= G[G_NOW]:
-        a = AR[G[G_AI]]
-        G[G_AI] += 1
-        G[G_NSLOT] -= 1
-        s = slots[G[G_NSLOT]]
+    while G[fl.G_AI] < G[fl.G_AN] and AR[G[fl.G_AI], 1] <= G[fl.G_NOW]:
+        a = AR[G[fl.G_AI]]
+        G[fl.G_AI] += 1
+        G[fl.G_NSLOT] -= 1
+        s = slots[G[fl.G_NSLOT]]
         R[s, :] = 0
-        R[s, F_RID], R[s, F_ARR], R[s, F_P], R[s, F_O], R[s, F_TOK] = a[0], a[1], a[2], a[3], a[4]
-        R[s, F_PREFILL], R[s, F_NHOST] = a[2], a[2]
-        R[s, F_PREVNEW], R[s, F_FIRST], R[s, F_FIN] = -1, -1, -1
-        R[s, F_LIM] = min(a[2] + a[3], cfg[C_MAXSEQ])
-        R[s, F_BTC] = _cdiv(R[s, F_LIM], cfg[C_B])  # blocks to completion, no headroom
+        for j, f in enumerate((fl.F_RID, fl.F_ARR, fl.F_P, fl.F_O, fl.F_TOK)):
+            R[s, f] = a[j]
+        R[s, fl.F_PREFILL], R[s, fl.F_NHOST] = a[2], a[2]
+        R[s, fl.F_PREVNEW], R[s, fl.F_FIRST], R[s, fl.F_FIN] = -1, -1, -1
+        R[s, fl.F_LIM] = min(a[2] + a[3], cfg[fl.C_MAXSEQ])
+        R[s, fl.F_BTC] = _cdiv(R[s, fl.F_LIM], cfg[fl.C_B])  # blocks to completion, no headroom
         if a[5]:  # Processor._unservable: rejected on arrival, emitted at once
-            R[s, F_STATE], R[s, F_REASON], R[s, F_FIN] = S_FIN, 3, a[1]
+            R[s, fl.F_STATE], R[s, fl.F_REASON], R[s, fl.F_FIN] = fl.S_FIN, 3, a[1]
             _done(K, D, R, s)
-            slots[G[G_NSLOT]] = s
-            G[G_NSLOT] += 1
+            slots[G[fl.G_NSLOT]] = s
+            G[fl.G_NSLOT] += 1
             continue
-        wait[(G[G_WHEAD] + G[G_WLEN]) % wait.shape[0]] = s
-        G[G_WLEN] += 1
+        wait[(G[fl.G_WHEAD] + G[fl.G_WLEN]) % wait.shape[0]] = s
+        G[fl.G_WLEN] += 1
 
 
 @nb.njit(cache=True)
 def _schedule(G, K, E, R, T, run, wait, pool, cfg, bs, bstart, bn):  # type: ignore
     """Scheduler.schedule: generation rows first, then context chunks. Fills bs/bstart/bn
     (context rows then generation rows) and returns (number of ctx rows, number of gen rows)."""
-    B, maxb = cfg[C_B], cfg[C_MAXB]
-    budget = cfg[C_MAXTOK]
+    B, maxb = cfg[fl.C_B], cfg[fl.C_MAXB]
+    budget = cfg[fl.C_MAXTOK]
     ng = 0
     gen = np.empty(maxb, np.int64)
-    for j in range(G[G_NRUN]):
+    for j in range(G[fl.G_NRUN]):
         if ng >= maxb:
             break
         s = run[j]
-        if R[s, F_STATE] != S_GEN or R[s, F_PAUSE]:
+        if R[s, fl.F_STATE] != fl.S_GEN or R[s, fl.F_PAUSE]:
             continue
-        if cfg[C_CLAMP] and cfg[C_MAXPOS] - (R[s, F_NHOST] - 1) < 1:
+        if cfg[fl.C_CLAMP] and cfg[fl.C_MAXPOS] - (R[s, fl.F_NHOST] - 1) < 1:
             continue  # draft_len -1: not even the bonus token fits
         if 1 > budget:
             continue
-        need = max(0, _cdiv(R[s, F_C] + 1, B) - R[s, F_A])  # KVManager.reserve
+        need = max(0, _cdiv(R[s, fl.F_C] + 1, B) - R[s, fl.F_A])  # KVManager.reserve
         if need == 0 or _allocate(G, K, E, cfg, pool, T, R, s, need):
-            R[s, F_C] += 1
+            R[s, fl.F_C] += 1
             ok = True
         else:
-            ok = cfg[C_POLICY] == GNE  # launched anyway; I1 reports the overrun
+            ok = cfg[fl.C_POLICY] == fl.GNE  # launched anyway; I1 reports the overrun
             if not ok:  # max-utilization: pause the newest running request (maybe s)
-                for v in range(G[G_NRUN] - 1, -1, -1):
+                for v in range(G[fl.G_NRUN] - 1, -1, -1):
                     q = run[v]
-                    if not R[q, F_PAUSE]:
-                        R[q, F_PAUSE] = 1
-                        R[q, F_NPRE] += 1
+                    if not R[q, fl.F_PAUSE]:
+                        R[q, fl.F_PAUSE] = 1
+                        R[q, fl.F_NPRE] += 1
                         break
         if ok:
             gen[ng] = s
@@ -186,19 +93,19 @@ def _schedule(G, K, E, R, T, run, wait, pool, cfg, bs, bstart, bn):  # type: ign
             budget -= 1
     # Scheduler._schedule_context
     nc = 0
-    for j in range(G[G_NRUN]):
+    for j in range(G[fl.G_NRUN]):
         s = run[j]
-        if R[s, F_STATE] == S_CTX and not R[s, F_PAUSE] and nc + ng < maxb and budget > 0:
+        if R[s, fl.F_STATE] == fl.S_CTX and not R[s, fl.F_PAUSE] and nc + ng < maxb and budget > 0:
             budget -= _chunk(R, cfg, s, budget, bs, bstart, bn, nc)
             nc = _count(bn, nc)
-    while G[G_WLEN] and nc + ng < maxb and budget > 0:
-        s = wait[G[G_WHEAD]]
+    while G[fl.G_WLEN] and nc + ng < maxb and budget > 0:
+        s = wait[G[fl.G_WHEAD]]
         if not _admit(G, K, E, R, T, run, pool, cfg, s, budget):
             break
-        G[G_WHEAD] = (G[G_WHEAD] + 1) % wait.shape[0]
-        G[G_WLEN] -= 1
-        run[G[G_NRUN]] = s
-        G[G_NRUN] += 1
+        G[fl.G_WHEAD] = (G[fl.G_WHEAD] + 1) % wait.shape[0]
+        G[fl.G_WLEN] -= 1
+        run[G[fl.G_NRUN]] = s
+        G[fl.G_NRUN] += 1
         budget -= _chunk(R, cfg, s, budget, bs, bstart, bn, nc)
         nc = _count(bn, nc)
     for i in range(ng):
@@ -214,34 +121,34 @@ def _count(bn, nc):  # type: ignore[no-untyped-def]
 
 @nb.njit(cache=True)
 def _chunk(R, cfg, s, budget, bs, bstart, bn, nc):  # type: ignore[no-untyped-def]
-    left = R[s, F_PREFILL] - R[s, F_CTXPOS]
-    cs = cfg[C_CHUNK] if cfg[C_CHUNK] else left
+    left = R[s, fl.F_PREFILL] - R[s, fl.F_CTXPOS]
+    cs = cfg[fl.C_CHUNK] if cfg[fl.C_CHUNK] else left
     n = min(left, cs, budget)
     bn[nc] = 0
-    if n < left and not cfg[C_CHUNK]:
+    if n < left and not cfg[fl.C_CHUNK]:
         return 0
-    bs[nc], bstart[nc], bn[nc] = s, R[s, F_CTXPOS], n
-    R[s, F_CTXPOS] += n
+    bs[nc], bstart[nc], bn[nc] = s, R[s, fl.F_CTXPOS], n
+    R[s, fl.F_CTXPOS] += n
     return n
 
 
 @nb.njit(cache=True)
 def _admit(G, K, E, R, T, run, pool, cfg, s, budget):  # type: ignore[no-untyped-def]
     """Scheduler._admit with reuse off: the whole prefill reserved up front."""
-    if not cfg[C_CHUNK] and R[s, F_PREFILL] > budget:
+    if not cfg[fl.C_CHUNK] and R[s, fl.F_PREFILL] > budget:
         return False
-    if cfg[C_POLICY] == GNE:  # Scheduler._gne_fits (no spec/overlap headroom in this subset)
+    if cfg[fl.C_POLICY] == fl.GNE:  # Scheduler._gne_fits (no spec/overlap headroom in this subset)
         promised = 0
-        for j in range(G[G_NRUN]):
+        for j in range(G[fl.G_NRUN]):
             q = run[j]
-            if R[q, F_A] > 0:
-                promised += max(0, R[q, F_BTC] - R[q, F_A])
-        if R[s, F_BTC] > G[G_PLEN] - promised:
+            if R[q, fl.F_A] > 0:
+                promised += max(0, R[q, fl.F_BTC] - R[q, fl.F_A])
+        if R[s, fl.F_BTC] > G[fl.G_PLEN] - promised:
             return False
-    if not _allocate(G, K, E, cfg, pool, T, R, s, _cdiv(R[s, F_PREFILL], cfg[C_B])):
+    if not _allocate(G, K, E, cfg, pool, T, R, s, _cdiv(R[s, fl.F_PREFILL], cfg[fl.C_B])):
         return False
-    R[s, F_C] = R[s, F_PREFILL]
-    R[s, F_STATE], R[s, F_CTXPOS], R[s, F_COMMIT] = S_CTX, 0, 0
+    R[s, fl.F_C] = R[s, fl.F_PREFILL]
+    R[s, fl.F_STATE], R[s, fl.F_CTXPOS], R[s, fl.F_COMMIT] = fl.S_CTX, 0, 0
     return True
 
 
@@ -249,40 +156,40 @@ def _admit(G, K, E, R, T, run, pool, cfg, s, budget):  # type: ignore[no-untyped
 def _after_schedule(G, K, E, R, T, run, wait, pool, cfg):  # type: ignore[no-untyped-def]
     """Processor.after_schedule: paused requests release their blocks and are requeued
     (nothing is in flight with overlap off)."""
-    snap = run[:G[G_NRUN]].copy()
+    snap = run[:G[fl.G_NRUN]].copy()
     for s in snap:
-        if R[s, F_PAUSE]:
+        if R[s, fl.F_PAUSE]:
             _free_blocks(G, K, E, cfg, pool, T, R, s)
             _run_remove(G, run, s)  # Scheduler.requeue
-            R[s, F_STATE], R[s, F_PAUSE] = S_WAIT, 0
-            R[s, F_PREFILL], R[s, F_CTXPOS], R[s, F_COMMIT] = R[s, F_NHOST], 0, 0
-            R[s, F_PREVNEW] = -1
-            G[G_WHEAD] = (G[G_WHEAD] - 1) % wait.shape[0]
-            wait[G[G_WHEAD]] = s
-            G[G_WLEN] += 1
+            R[s, fl.F_STATE], R[s, fl.F_PAUSE] = fl.S_WAIT, 0
+            R[s, fl.F_PREFILL], R[s, fl.F_CTXPOS], R[s, fl.F_COMMIT] = R[s, fl.F_NHOST], 0, 0
+            R[s, fl.F_PREVNEW] = -1
+            G[fl.G_WHEAD] = (G[fl.G_WHEAD] - 1) % wait.shape[0]
+            wait[G[fl.G_WHEAD]] = s
+            G[fl.G_WLEN] += 1
 
 
 @nb.njit(cache=True)
 def _plan(G, cfg, seen, gen_w, batch):  # type: ignore[no-untyped-def]
     """MetadataBuilder.plan -> (plan_q_len, plan_cache_size)."""
-    key = cfg[C_PLANKEY]
-    if key == P_FRESH or gen_w == 0:
-        return -1, max(1, G[G_NPLANS])
-    k = 0 if key == P_NOWIDTH else batch
+    key = cfg[fl.C_PLANKEY]
+    if key == fl.P_FRESH or gen_w == 0:
+        return -1, max(1, G[fl.G_NPLANS])
+    k = 0 if key == fl.P_NOWIDTH else batch
     if seen[k]:
-        return 1, G[G_NPLANS]
+        return 1, G[fl.G_NPLANS]
     seen[k] = 1
-    G[G_NPLANS] += 1
-    return -1, G[G_NPLANS]
+    G[fl.G_NPLANS] += 1
+    return -1, G[fl.G_NPLANS]
 
 
 @nb.njit(cache=True)
 def _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart, bn, nc, ng,
             t_sched):  # type: ignore[no-untyped-def]
     """Engine._launch + build_rows: the step's rows (engine metadata next to device truth)."""
-    B, k, n = cfg[C_B], G[G_STEP], nc + ng
-    detail = cfg[C_DETAIL]
-    r0 = K[K_R]
+    B, k, n = cfg[fl.C_B], G[fl.G_STEP], nc + ng
+    detail = cfg[fl.C_DETAIL]
+    r0 = K[fl.K_R]
     pos = 0  # write cursor into flat (get_batch_cache_indices_flat packs what it copies)
     indptr = 0
     tokens = 0
@@ -290,7 +197,7 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart, 
     spare = 0
     for i in range(n):
         s, w = bs[i], W[r0 + i]
-        c = R[s, F_COMMIT]
+        c = R[s, fl.F_COMMIT]
         if i < nc:  # MetadataBuilder.ctx_lengths
             q = bn[i]
             L = bstart[i] + q
@@ -300,98 +207,99 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart, 
             L = c + 1
             cached_host, kv_len_host, append = c, L, c
             logical = _cdiv(L, B)
-            nbk = max(logical, R[s, F_A]) if cfg[C_WIDTH] == W_RESERVED else logical
+            nbk = max(logical, R[s, fl.F_A]) if cfg[fl.C_WIDTH] == fl.W_RESERVED else logical
         lpl = L - (_cdiv(L, B) - 1) * B  # kernel_len
-        kv_len = (nbk - 1) * B + lpl if cfg[C_BACKEND] == FA2 else L
-        own = min(nbk, R[s, F_A])
-        w[W_STEP], w[W_ROW], w[W_REQ], w[W_PHASE], w[W_Q] = k, i, R[s, F_RID], i >= nc, q
-        w[W_LPL], w[W_KVLEN], w[W_APPEND], w[W_ROPE] = lpl, kv_len, append, c
-        w[W_CACHED_HOST], w[W_KVLEN_HOST], w[W_COMMIT] = cached_host, kv_len_host, c
-        w[W_RESERVED], w[W_NEW] = R[s, F_C], q
-        w[W_ACCEPTED] = -1 if i < nc else 0
-        w[W_PREVNEW] = -1 if i < nc else R[s, F_PREVNEW]
-        w[W_NPAGES], w[W_NALLOC], w[W_NTOK] = nbk, R[s, F_A], q
-        if cfg[C_BACKEND] == XQA:  # block table row: own pages, then -1
-            w[W_KVINDPTR] = 0
+        kv_len = (nbk - 1) * B + lpl if cfg[fl.C_BACKEND] == fl.FA2 else L
+        own = min(nbk, R[s, fl.F_A])
+        w[fl.W_STEP], w[fl.W_ROW], w[fl.W_REQ] = k, i, R[s, fl.F_RID]
+        w[fl.W_PHASE], w[fl.W_Q] = i >= nc, q
+        w[fl.W_LPL], w[fl.W_KVLEN], w[fl.W_APPEND], w[fl.W_ROPE] = lpl, kv_len, append, c
+        w[fl.W_CACHED_HOST], w[fl.W_KVLEN_HOST], w[fl.W_COMMIT] = cached_host, kv_len_host, c
+        w[fl.W_RESERVED], w[fl.W_NEW] = R[s, fl.F_C], q
+        w[fl.W_ACCEPTED] = -1 if i < nc else 0
+        w[fl.W_PREVNEW] = -1 if i < nc else R[s, fl.F_PREVNEW]
+        w[fl.W_NPAGES], w[fl.W_NALLOC], w[fl.W_NTOK] = nbk, R[s, fl.F_A], q
+        if cfg[fl.C_BACKEND] == fl.XQA:  # block table row: own pages, then -1
+            w[fl.W_KVINDPTR] = 0
             if detail:
-                p = K[K_PG]
+                p = K[fl.K_PG]
                 PG[p:p + own] = T[s, :own]
                 PG[p + own:p + nbk] = -1
-                K[K_PG] = p + nbk
+                K[fl.K_PG] = p + nbk
         else:
-            w[W_KVINDPTR] = indptr
+            w[fl.W_KVINDPTR] = indptr
             if detail:
                 flat[pos:pos + own] = T[s, :own]
             pos += own
             indptr += nbk
         if detail:
-            a = K[K_AL]
-            AL[a:a + R[s, F_A]] = T[s, :R[s, F_A]]
-            K[K_AL] = a + R[s, F_A]
-            t = K[K_TK]
-            TK[t:t + q] = toks[R[s, F_TOK] + c:R[s, F_TOK] + c + q]
-            K[K_TK] = t + q
+            a = K[fl.K_AL]
+            AL[a:a + R[s, fl.F_A]] = T[s, :R[s, fl.F_A]]
+            K[fl.K_AL] = a + R[s, fl.F_A]
+            t = K[fl.K_TK]
+            TK[t:t + q] = toks[R[s, fl.F_TOK] + c:R[s, fl.F_TOK] + c + q]
+            K[fl.K_TK] = t + q
         tokens += q
         kv_sum += kv_len
-        spare += R[s, F_C] - c - q
+        spare += R[s, fl.F_C] - c - q
         # device truth advances at launch
-        R[s, F_COMMIT] = c + q
-        R[s, F_PREVNEW] = 1
+        R[s, fl.F_COMMIT] = c + q
+        R[s, fl.F_PREVNEW] = 1
         if i >= nc:
-            R[s, F_GSTEPS] += 1
-        elif R[s, F_CTXPOS] >= R[s, F_PREFILL]:
-            R[s, F_STATE] = S_GEN
-    if detail and cfg[C_BACKEND] != XQA:  # the rows read the flat buffer through kv_indptr
-        p = K[K_PG]
+            R[s, fl.F_GSTEPS] += 1
+        elif R[s, fl.F_CTXPOS] >= R[s, fl.F_PREFILL]:
+            R[s, fl.F_STATE] = fl.S_GEN
+    if detail and cfg[fl.C_BACKEND] != fl.XQA:  # the rows read the flat buffer through kv_indptr
+        p = K[fl.K_PG]
         PG[p:p + indptr] = flat[:indptr]
-        K[K_PG] = p + indptr
-    K[K_R] = r0 + n
-    now = G[G_NOW]
-    start = max(now, G[G_DEVFREE])
-    end = start + cfg[C_STEP_BASE] + cfg[C_NS_TOK] * tokens + cfg[C_NS_KV] * kv_sum
-    G[G_DEVFREE] = end
+        K[fl.K_PG] = p + indptr
+    K[fl.K_R] = r0 + n
+    now = G[fl.G_NOW]
+    start = max(now, G[fl.G_DEVFREE])
+    end = start + cfg[fl.C_STEP_BASE] + cfg[fl.C_NS_TOK] * tokens + cfg[fl.C_NS_KV] * kv_sum
+    G[fl.G_DEVFREE] = end
     plan_q, plan_n = _plan(G, cfg, seen, 1 if ng else 0, n)
-    used = cfg[C_USABLE] - G[G_PLEN]
-    srow = S[K[K_S]]
+    used = cfg[fl.C_USABLE] - G[fl.G_PLEN]
+    srow = S[K[fl.K_S]]
     srow[0], srow[1], srow[2], srow[3], srow[4] = k, t_sched, now, start, end
     srow[5], srow[6], srow[7], srow[8] = n, nc, ng, tokens
     srow[9], srow[10], srow[11] = plan_q, n, plan_n
-    srow[12], srow[13], srow[14], srow[15], srow[16] = used, G[G_PLEN], 0, 0, -1
+    srow[12], srow[13], srow[14], srow[15], srow[16] = used, G[fl.G_PLEN], 0, 0, -1
     srow[17] = spare
-    K[K_S] += 1
-    G[G_EVSTEP], G[G_EVPHASE] = k, 1
-    G[G_STEP] = k + 1
+    K[fl.K_S] += 1
+    G[fl.G_EVSTEP], G[fl.G_EVPHASE] = k, 1
+    G[fl.G_STEP] = k + 1
     return r0, end
 
 
 @nb.njit(cache=True)
 def _process(G, K, E, D, V, W, R, T, run, pool, slots, cfg, bs, r0, n):  # type: ignore
     """Processor.process with overlap off: apply each row, finish, free."""
-    k = W[r0, W_STEP]
-    now = G[G_NOW]
-    _emit(G, K, E, cfg, E_DONE, -1, -1, 0, k)
+    k = W[r0, fl.W_STEP]
+    now = G[fl.G_NOW]
+    _emit(G, K, E, cfg, fl.E_DONE, -1, -1, 0, k)
     for i in range(n):
         s, w = bs[i], W[r0 + i]
-        if w[W_PHASE]:  # gen: one new token; the reservation already matches (no rewind)
-            R[s, F_NHOST] += 1
-        elif w[W_COMMIT] + w[W_Q] >= R[s, F_PREFILL]:
-            R[s, F_NHOST] = R[s, F_PREFILL] + 1
-            if R[s, F_FIRST] < 0:
-                R[s, F_FIRST] = now
+        if w[fl.W_PHASE]:  # gen: one new token; the reservation already matches (no rewind)
+            R[s, fl.F_NHOST] += 1
+        elif w[fl.W_COMMIT] + w[fl.W_Q] >= R[s, fl.F_PREFILL]:
+            R[s, fl.F_NHOST] = R[s, fl.F_PREFILL] + 1
+            if R[s, fl.F_FIRST] < 0:
+                R[s, fl.F_FIRST] = now
         else:
             continue
-        if R[s, F_NHOST] >= R[s, F_LIM]:
-            R[s, F_NHOST] = R[s, F_LIM]
-            R[s, F_REASON] = 1 if R[s, F_LIM] == R[s, F_P] + R[s, F_O] else 2
-            R[s, F_STATE], R[s, F_FIN] = S_FIN, now
+        if R[s, fl.F_NHOST] >= R[s, fl.F_LIM]:
+            R[s, fl.F_NHOST] = R[s, fl.F_LIM]
+            R[s, fl.F_REASON] = 1 if R[s, fl.F_LIM] == R[s, fl.F_P] + R[s, fl.F_O] else 2
+            R[s, fl.F_STATE], R[s, fl.F_FIN] = fl.S_FIN, now
             _free_blocks(G, K, E, cfg, pool, T, R, s)
             _run_remove(G, run, s)
             _done(K, D, R, s)
-            slots[G[G_NSLOT]] = s
-            G[G_NSLOT] += 1
-        elif w[W_PHASE] and R[s, F_C] != R[s, F_NHOST] - 1:
-            _violation(K, V, V_I18, k, R[s, F_RID], R[s, F_C], R[s, F_NHOST] - 1)
-    G[G_PROCESSED] = k
+            slots[G[fl.G_NSLOT]] = s
+            G[fl.G_NSLOT] += 1
+        elif w[fl.W_PHASE] and R[s, fl.F_C] != R[s, fl.F_NHOST] - 1:
+            _violation(K, V, fl.V_I18, k, R[s, fl.F_RID], R[s, fl.F_C], R[s, fl.F_NHOST] - 1)
+    G[fl.G_PROCESSED] = k
 
 
 @nb.njit(cache=True)
@@ -399,41 +307,42 @@ def loop(G, K, cfg, room, R, T, run, wait, pool, slots, flat, toks, seen, AR,
          S, W, PG, AL, TK, E, D, V):  # type: ignore[no-untyped-def]
     """Engine._loop (overlap off). Returns DONE, NEED_ARRIVALS or FLUSH (buffers nearly full:
     `room` holds the headroom one more iteration needs in each output buffer)."""
-    maxb = cfg[C_MAXB]
+    maxb = cfg[fl.C_MAXB]
     bs = np.empty(maxb + 1, np.int64)
     bstart = np.empty(maxb + 1, np.int64)
     bn = np.empty(maxb + 1, np.int64)
     caps = (S.shape[0], W.shape[0], PG.shape[0], AL.shape[0], TK.shape[0], E.shape[0],
             D.shape[0], V.shape[0])
     while True:
-        for i in range(NK - 1):
+        for i in range(fl.NK - 1):
             if K[i] + room[i] > caps[i]:
-                return FLUSH
-        if K[K_D] + G[G_AN] - G[G_AI] + room[K_D] > caps[K_D]:  # all pending may be rejected
-            return FLUSH
-        if G[G_MORE] and (G[G_AI] == G[G_AN] or AR[G[G_AN] - 1, 1] <= G[G_NOW]):
-            return NEED_ARRIVALS  # the next arrival after now must be known (Engine.next_spec)
+                return fl.FLUSH
+        # every pending arrival may be rejected at once: room for all their records
+        if K[fl.K_D] + G[fl.G_AN] - G[fl.G_AI] + room[fl.K_D] > caps[fl.K_D]:
+            return fl.FLUSH
+        if G[fl.G_MORE] and (G[fl.G_AI] == G[fl.G_AN] or AR[G[fl.G_AN] - 1, 1] <= G[fl.G_NOW]):
+            return fl.NEED_ARRIVALS  # the next arrival after now must be known (Engine.next_spec)
         _arrive(G, K, D, R, wait, slots, AR, cfg)
-        t_sched = G[G_NOW]
+        t_sched = G[fl.G_NOW]
         nc, ng = _schedule(G, K, E, R, T, run, wait, pool, cfg, bs, bstart, bn)
         _after_schedule(G, K, E, R, T, run, wait, pool, cfg)
         if nc + ng == 0:
-            if G[G_AI] < G[G_AN]:
-                G[G_NOW] = max(G[G_NOW], AR[G[G_AI], 1])
-            elif G[G_NRUN] or G[G_WLEN]:
-                if G[G_PLEN] != G[G_STALL]:
-                    G[G_STALL] = G[G_PLEN]
+            if G[fl.G_AI] < G[fl.G_AN]:
+                G[fl.G_NOW] = max(G[fl.G_NOW], AR[G[fl.G_AI], 1])
+            elif G[fl.G_NRUN] or G[fl.G_WLEN]:
+                if G[fl.G_PLEN] != G[fl.G_STALL]:
+                    G[fl.G_STALL] = G[fl.G_PLEN]
                     continue
-                head = wait[G[G_WHEAD]] if G[G_WLEN] else run[0]
-                _violation(K, V, V_LIVENESS, G[G_STEP], R[head, F_RID], G[G_PLEN], 0)
-                return DONE
+                head = wait[G[fl.G_WHEAD]] if G[fl.G_WLEN] else run[0]
+                _violation(K, V, fl.V_LIVENESS, G[fl.G_STEP], R[head, fl.F_RID], G[fl.G_PLEN], 0)
+                return fl.DONE
             else:
-                return DONE
+                return fl.DONE
             continue
-        G[G_STALL] = -1
-        G[G_NOW] += cfg[C_HOST_BASE] + cfg[C_HOST_ROW] * (nc + ng)
+        G[fl.G_STALL] = -1
+        G[fl.G_NOW] += cfg[fl.C_HOST_BASE] + cfg[fl.C_HOST_ROW] * (nc + ng)
         r0, end = _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart,
                           bn, nc, ng, t_sched)
-        if end > G[G_NOW]:
-            G[G_NOW] = end
+        if end > G[fl.G_NOW]:
+            G[fl.G_NOW] = end
         _process(G, K, E, D, V, W, R, T, run, pool, slots, cfg, bs, r0, nc + ng)

@@ -114,7 +114,8 @@ class TraceWriter:
 
     def add_columns(self, table: str, cols: Mapping[str, object]) -> None:
         """A batch already in columns (the fast engine): numpy arrays, or (offsets, values) for
-        list columns, in schema order. Same digest as the same values added record by record."""
+        list columns, in schema order. Same digest as the same values added record by record.
+        List columns' values are kept without a copy: the caller must not write them afterwards."""
         schema = SCHEMAS[table]
         batch = pa.RecordBatch.from_arrays(
             [columnar_arrow(cols[f.name], f.type) for f in schema], schema=schema)
@@ -183,12 +184,13 @@ class TraceWriter:
 
 
 def columnar_arrow(v: object, t: pa.DataType) -> pa.Array:
-    """numpy -> Arrow, copying: the batch is written later, and the fast engine reuses the
-    buffers these columns are views of (pa.array of numpy is zero-copy)."""
+    """numpy -> Arrow. A list column's values (the bulk: page ids) are kept without a copy;
+    the caller hands them over (add_columns). Everything else is copied: the fast engine's
+    scalar columns are views of buffers it reuses."""
     if isinstance(v, tuple):  # list column
         offsets, values = v
         return pa.ListArray.from_arrays(pa.array(np.array(offsets, np.int32)),
-                                        pa.array(np.array(values, np.int32)))
+                                        pa.array(np.ascontiguousarray(values, np.int32)))
     if pa.types.is_string(t):
         return pa.array(np.asarray(v), pa.string())
     dtype = {pa.bool_(): bool, pa.uint64(): np.uint64}.get(t, np.int64)

@@ -28,11 +28,11 @@ class TableDigest:
                 # lengths from the offsets, values straight from Arrow's buffers (no copies)
                 off = np.frombuffer(col.buffers()[1], np.int32)
                 off = off[col.offset:col.offset + len(col) + 1]
-                lengths.update(memoryview(np.diff(off).astype(np.int32)))
+                lengths.update(np.diff(off).astype(np.int32).data)
                 if pa.types.is_list(f.type):
                     child = col.values
                     buf = np.frombuffer(child.buffers()[1], np.int32)[child.offset:]
-                    values.update(memoryview(buf[off[0]:off[-1]]))  # no copy
+                    values.update(buf[off[0]:off[-1]].data)  # a view: no copy
                 elif len(col) and col.buffers()[2] is not None:
                     values.update(memoryview(col.buffers()[2])[off[0]:off[-1]])
             elif pa.types.is_boolean(f.type):

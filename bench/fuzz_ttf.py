@@ -16,17 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import hypothesis
+from environment import environment
 
-from sim.api import kvsim_version
 from sim.fuzz.campaign import Goal, Search
 from sim.profiles import FAULTS
 
@@ -60,18 +56,6 @@ def summarize(fault: str, runs: list[dict[str, Any]], cap: float) -> dict[str, A
             "max_shrunk_requests": max((r["requests"] for r in found), default=None)}
 
 
-def environment() -> dict[str, Any]:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
-    return {"machine": platform.machine(), "node": platform.node(),
-            "processor": platform.processor(), "python": sys.version.split()[0],
-            "kvsim": kvsim_version(), "hypothesis": hypothesis.__version__,
-            "git_commit": commit, "git_dirty": True, "cores_used": 1}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, default=3)
@@ -85,7 +69,8 @@ def main() -> None:
         runs = [one(a.base, name, s, a.cap) for s in range(a.seeds)]
         faults.append(summarize(name, runs, a.cap))
         print(json.dumps({k: v for k, v in faults[-1].items() if k != "runs"}), flush=True)
-    result = {"environment": environment(), "base": a.base, "seeds": a.seeds, "cap_s": a.cap,
+    result = {"environment": environment() | {"cores_used": 1}, "base": a.base,
+              "seeds": a.seeds, "cap_s": a.cap,
               "targets": {"median_ttf_s": 10, "max_ttf_s": 60, "max_shrunk_requests": 3},
               "faults": faults}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,10 +14,11 @@ import argparse
 import json
 import resource
 import shutil
-import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from environment import environment
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,9 +57,7 @@ def main() -> None:
     wall = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     half = curve[len(curve) // 2:] if curve else [(0, 0.0)]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
-    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
+    out = environment() | {
            "scenario": args.scenario, "requests": args.requests, "check": args.check,
            "engine": res.summary["engine"],
            "steps": res.summary["steps"], "violations": res.summary["violations"],

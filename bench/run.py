@@ -5,7 +5,8 @@ warm-up run, `--reps` times; medians are reported. Writes bench/results/sim.json
 
     workload (a) = bench/workloads/a_vidur.toml   (Vidur comparison: vLLM, no MTP, no reuse)
     workload (b) = bench/workloads/b_mtp.toml     (MTP + overlap + reuse)
-    modes: no trace | trace (pages etc. written) | checked (trace + every invariant online)
+    modes: no-trace | trace (pages etc. written) | checked (every invariant, online, no trace)
+           | trace+checked (both)
 
 The loop's CPU time (process_time) is reported next to wall time: these 2-core machines are
 shared, and CPU time is what a quiet machine's wall time would be.
@@ -15,15 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from environment import environment
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOADS = {"a": "bench/workloads/a_vidur.toml", "b": "bench/workloads/b_mtp.toml"}
+# mode -> (trace written, every invariant checked)
+MODES = {"no-trace": (False, False), "trace": (True, False), "checked": (False, True),
+         "trace+checked": (True, True)}
 
 CHILD = r"""
 import json, resource, sys, time
@@ -48,10 +53,11 @@ print(json.dumps({"loop_s": t2 - t1, "loop_cpu_s": c2 - c1, "process_s": t2 - t0
 
 
 def once(wl: str, mode: str, n: int, tmp: Path, engine: str) -> dict:
-    out = str(tmp / f"{wl}-{mode}") if mode != "no-trace" else "-"
+    trace, check = MODES[mode]
+    out = str(tmp / f"{wl}-{mode}") if trace else "-"
     t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-c", CHILD, WORKLOADS[wl], str(n), out,
-                          "1" if mode == "checked" else "0", engine],
+                          "1" if check else "0", engine],
                          capture_output=True, text=True, cwd=ROOT, check=True)
     d = json.loads(res.stdout.strip().splitlines()[-1])
     d["wall_s"] = time.perf_counter() - t0
@@ -75,13 +81,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=10_000)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workloads", default="ab")
-    ap.add_argument("--modes", default="no-trace,trace,checked")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument("--engines", default="auto",
                     help="auto,reference: each workload under each engine, side by side")
     ap.add_argument("--reps-for", default="",
                     help="per-mode repetitions, e.g. checked=1 (long runs)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sim.json")
     args = ap.parse_args()
+    bad = [m for m in args.modes.split(",") if m not in MODES]
+    if bad or any(w not in WORKLOADS for w in args.workloads):
+        ap.error(f"unknown mode {bad} (modes: {', '.join(MODES)}) or workload in "
+                 f"{args.workloads!r} (workloads: {''.join(WORKLOADS)})")
     import tempfile
     results = {}
     with tempfile.TemporaryDirectory() as d:
@@ -100,12 +110,8 @@ def main() -> None:
                           f"({r['req_per_cpu_s']:.0f} req per CPU-s), process "
                           f"{r['process_s']:.1f} s, peak RSS {r['peak_rss_mb']:.0f} MB",
                           flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=ROOT).stdout.strip()
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": __import__("os").cpu_count(), "requests": args.requests, "reps": args.reps,
-            "engines": args.engines}
+    meta = environment() | {"requests": args.requests, "reps": args.reps,
+                            "engines": args.engines}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {args.out}")

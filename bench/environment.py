@@ -1,0 +1,53 @@
+"""What every benchmark result records next to its figures: when, where, with what.
+
+Imported by the bench scripts (run as `python bench/X.py`, so this directory is on sys.path).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("kvsim", "numpy", "numba", "pyarrow", "pydantic", "simpy", "hypothesis")
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"  # e.g. a copy of the tree without .git (the GPU host)
+
+
+def _version(name: str) -> str | None:
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        platform.processor())
+    except OSError:
+        return platform.processor()
+
+
+def environment() -> dict:
+    """Date, commit (and whether the tree had uncommitted changes), machine, package versions."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": _git("rev-parse", "--short",
+                                                                       "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+            "command": " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+            "python": platform.python_version(), "machine": platform.machine(),
+            "cpu": _cpu_model(), "cpus": os.cpu_count(),
+            "load_avg_1m": round(os.getloadavg()[0], 2),
+            "versions": {p: _version(p) for p in PACKAGES}}

@@ -1,12 +1,20 @@
 """Replay throughput on the GPU: wall time per step vs the kernels' own time (CUDA events).
 
-python bench/gpu_replay.py TRACE_DIR [--json OUT]   (TRACE_DIR: e.g. tests/unit/replay_traces.py
---big writes big_verify: batch 64, kv_len ~2k, MTP W=4, Llama-3.1-8B heads)
+python bench/gpu_replay.py TRACE_DIR [--json OUT] [--profile]   (TRACE_DIR: e.g.
+tests/unit/replay_traces.py --big writes big_verify: batch 64, kv_len ~2k, MTP W=4, Llama-3.1-8B
+heads)
 
-Kernel time = append + attention launches of a step, between CUDA events. Wall time = the whole
-replay step (content, truth, kernels, checksums, fp32 reference, verdicts), measured from a
-device sync before the first generation step to one after the last, divided by the step count.
-The first step (the prompts' prefill) and a first full pass (JIT, warm-up) are excluded.
+Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and warms up):
+- wall (two passes, `wall_ms_per_step` and `repeat`): the whole replay step (content, truth,
+  kernels, checksums, fp32 reference, per-token errors), from a device sync before the first
+  generation step to one after the last, divided by the step count; no events, no spins. The
+  first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`), which
+  runs ahead of the steps: it is reported beside (`prepare_ms_per_step`, `ratio_incl_prepare`).
+- kernels: each append and attention launch between CUDA events, after a GPU spin so the start
+  event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
+  2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
+  the host's planning time counted as kernel time: 0.51-0.61 ms there vs 0.15 ms of kernels.)
+- --profile: a cProfile of one more, untimed pass (host time by function).
 """
 
 from __future__ import annotations
@@ -19,13 +27,46 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from gpu_backend.calibrate import meta
-from gpu_backend.driver import max_ok_error, replay
+from gpu_backend.driver import ReplayResult, max_ok_error, replay
 from gpu_backend.replay import FlashInferKernels
-from gpu_backend.tracedata import load_trace
+from gpu_backend.tracedata import TraceData, load_trace
+
+
+def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, ReplayResult]:
+    """(ms per step from `first` to `last`, result) of one untimed replay."""
+    marks: dict[str, float] = {}
+
+    def on_step(step: int, what: str) -> None:
+        if (step, what) in ((first, "start"), (last, "done")):
+            torch.cuda.synchronize()
+            marks[what] = time.perf_counter()
+
+    k = FlashInferKernels(trace.model.num_q_heads, "cuda")
+    res = replay(trace, k, "cuda", on_step=on_step)
+    n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
+    return (marks["done"] - marks["start"]) * 1e3 / n, res
+
+
+def kernel_pass(trace: TraceData) -> list[float]:
+    """Per generation step, the device ms of its append + attention launches."""
+    k = FlashInferKernels(trace.model.num_q_heads, "cuda", timing=True)
+    replay(trace, k, "cuda")
+    return k.kernel_ms()[1:]
+
+
+def profile_pass(trace: TraceData) -> None:
+    prof = cProfile.Profile()
+    prof.enable()
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
+    torch.cuda.synchronize()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
 
 
 def main() -> None:
@@ -33,43 +74,34 @@ def main() -> None:
     ap.add_argument("trace", type=Path)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true",
-                    help="cProfile a third, untimed pass (host time)")
+                    help="cProfile one more, untimed pass (host time)")
     ap.add_argument("--commit", default="",
                     help="commit to record (default: git rev-parse; the device copy has no .git)")
     a = ap.parse_args()
     trace = load_trace(a.trace)
     first, last = trace.steps[1].step, trace.steps[-1].step
-    timed: tuple = ()
-    for attempt in range(3 if a.profile else 2):  # pass 0 JIT-compiles and warms up
-        k = FlashInferKernels(trace.model.num_q_heads, "cuda", timing=True)
-        marks: dict[str, float] = {}
-
-        def on_step(step: int, what: str, marks: dict[str, float] = marks) -> None:
-            if (step, what) in ((first, "start"), (last, "done")):
-                torch.cuda.synchronize()
-                marks[what] = time.perf_counter()
-
-        prof = cProfile.Profile() if attempt == 2 else None  # profiled pass: not timed
-        if prof:
-            prof.enable()
-        res = replay(trace, k, "cuda", on_step=on_step)
-        if prof:
-            prof.disable()
-            pstats.Stats(prof).sort_stats("tottime").print_stats(14)
-        if attempt == 1:
-            timed = (k.kernel_ms()[1:], dict(marks), res)
-    ms, marks, res = timed
-    n = len(ms)
-    wall = (marks["done"] - marks["start"]) * 1e3 / n
-    kern = sum(ms) / n
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")  # JIT, warm-up
+    wall, res = wall_pass(trace, first, last)
+    wall2, res2 = wall_pass(trace, first, last)
+    ms = kernel_pass(trace)
+    if a.profile:
+        profile_pass(trace)
+    kern = sum(ms) / len(ms)
+    prep = res.prepare_s * 1e3 / max(len({r.step for r in res.rows}), 1)  # all steps
     rows = [r for r in res.rows if r.step >= first]
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                         capture_output=True, text=True).stdout.strip()
-    out = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:])) | {"commit": commit}
-    out |= {"trace": str(a.trace), "steps": n, "batch": len(trace.rows[first]),
-           "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
-           "kernel_ms_per_step": kern, "ratio": wall / kern, "counts": res.counts(),
-           "max_ok_err": max_ok_error(res), "rows_checked": len(rows)}
+    out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
+    out |= {"commit": commit, "trace": str(a.trace), "steps": len(ms),
+            "batch": len(trace.rows[first]),
+            "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
+            "kernel_ms_per_step": kern, "ratio": wall / kern, "prepare_ms_per_step": prep,
+            "ratio_incl_prepare": (wall + prep) / kern, "counts": res.counts(),
+            "max_ok_err": max_ok_error(res), "rows_checked": len(rows),
+            "repeat": {"wall_ms_per_step": wall2, "ratio": wall2 / kern,
+                       "same_verdicts": [r.verdict for r in res.rows] ==
+                       [r.verdict for r in res2.rows]},
+            "kernel_ms_min_max": [min(ms), max(ms)]}
     print(json.dumps(out, indent=1))
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))

@@ -1,21 +1,22 @@
 """The truth side of the replay: contiguous per-request K/V, the fp32 reference output per row,
 and the per-row verdicts (DESIGN §6).
 
-Verdicts, most severe first: fault > corrupt > nan > mismatch > ok. Everything here is batched
-torch on the replay's device; per-step verdicts stay on the device until the replay ends.
+Verdicts, most severe first: fault > corrupt > nan > mismatch > ok. The device keeps, per step,
+only what the verdicts need (per-token max error and NaN flags, the pages whose checksum moved);
+`verdicts` turns them into codes on the host when the replay reads them back (every
+`driver.FLUSH` steps), so no step waits for the device.
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 
 import numpy as np
 import torch
 
 from gpu_backend.layout import StepBatch
-from gpu_backend.pool import content
-from sim.trace.records import RowRecord
+from gpu_backend.prepare import RefGroup
+from gpu_backend.staging import StepArrays
 
 OK, MISMATCH, NAN, CORRUPT, FAULT = 0, 1, 2, 3, 4
 VERDICTS = ("ok", "mismatch", "nan", "corrupt", "fault")
@@ -26,153 +27,114 @@ VERDICTS = ("ok", "mismatch", "nan", "corrupt", "fault")
 DEFAULT_TOL = 2e-2
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
+           lo: int = 0) -> torch.Tensor:
     """Softmax attention in fp32 with a per-query key limit (key i visible iff i <= limit).
 
     Args: q [R, W, Hq, D]; k, v [R, Hkv, L, D] (HND: (r, h) flattens into one matmul batch with
-    no copy); limit [R, W] int64. Returns [R, W, Hq, D] fp32.
+    no copy); limit [R, W] int64; lo: keys below it are visible to every query (only the tail
+    [lo, L) is masked). Returns [R, W, Hq, D] fp32.
+
+    On the GPU with bf16/fp16 K/V the products run on the tensor cores with fp32 outputs: the
+    inputs are bf16/fp16 values, so every product is exact in fp32 and only the summation order
+    differs from an fp32 matmul. P (fp32) is split into hi + lo halves of V's dtype for P·V, so P
+    keeps ~16 bits (output error ~1e-6, measured against fp64 on the H200; the kernels' own noise
+    is ~2e-3). Elsewhere everything is upcast to fp32.
     """
     R, W, Hq, D = q.shape
-    hkv = k.shape[1]
-    qg = q.float().view(R, W, hkv, Hq // hkv, D)
-    s = torch.einsum("rwhgd,rhld->rhgwl", qg, k.float()) / math.sqrt(D)
-    keys = torch.arange(k.shape[2], device=q.device)
-    mask = keys[None, None, :] <= limit[:, :, None]  # [R, W, L]
-    s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    return torch.einsum("rhgwl,rhld->rwhgd", p, v.float()).reshape(R, W, Hq, D)
+    hkv, L = k.shape[1], k.shape[2]
+    g = Hq // hkv
+    fast = q.is_cuda and k.dtype in (torch.bfloat16, torch.float16)
+    if not fast:
+        q, k, v = q.float(), k.float(), v.float()
+    qg = q.to(k.dtype).view(R, W, hkv, g, D).permute(0, 2, 3, 1, 4).reshape(R * hkv, g * W, D)
+    kt = k.flatten(0, 1).transpose(1, 2)  # [R*hkv, D, L]
+    s = (torch.bmm(qg, kt, out_dtype=torch.float32) if fast else torch.bmm(qg, kt))
+    s = s.view(R, hkv, g, W, L).div_(math.sqrt(D))
+    if lo < L:
+        keys = torch.arange(lo, L, device=q.device)
+        s[..., lo:].masked_fill_((keys > limit[:, :, None])[:, None, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).view(R * hkv, g * W, L)
+    vf = v.flatten(0, 1)
+    if fast:
+        hi = p.to(v.dtype)
+        o = torch.bmm(torch.cat([hi, (p - hi).to(v.dtype)], 1), vf, out_dtype=torch.float32)
+        o = o[:, : g * W] + o[:, g * W:]
+    else:
+        o = torch.bmm(p, vf)
+    return o.view(R, hkv, g, W, D).permute(0, 3, 1, 2, 4).reshape(R, W, Hq, D)
 
 
 class TruthStore:
-    """Contiguous truth K and V per live request, each [slots, H_kv, L, D] in fp32 (values rounded
-    to the trace's dtype first, as the kernels see them). A request keeps its slot from its first
-    row to its last row in the trace."""
+    """Contiguous truth K and V per live request: [2, slots, H_kv, span, D] in the trace's dtype
+    (the content is rounded to it, as the kernels see it; `attend` computes in fp32). Slots are
+    handed out on the host (`prepare`)."""
 
-    def __init__(self, rows: dict[int, list[RowRecord]], prompts: dict[int, tuple[int, ...]],
-                 kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str):
-        first: dict[int, int] = {}
-        last: dict[int, int] = {}
-        span = 1
-        for step in sorted(rows):
-            for r in rows[step]:
-                span = max(span, r.committed + r.q_len)
-                first.setdefault(r.request, step)
-                last[r.request] = step
-        starts = Counter(first.values())
-        ends = Counter(last.values())
-        live = peak = 0
-        for step in sorted(rows):
-            live += starts[step]
-            peak = max(peak, live)
-            live -= ends[step]
-        self.last, self.prompts, self.dims = last, prompts, (kv_heads, head_dim, dtype)
-        shape = (max(peak, 1), kv_heads, span, head_dim)
-        self.k = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.v = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.slot: dict[int, int] = {}
-        self.free = list(range(max(peak, 1)))[::-1]
+    def __init__(self, slots: int, span: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.kv = torch.zeros((2, slots, kv_heads, span, head_dim), dtype=dtype, device=device)
 
-    def admit(self, b: StepBatch) -> np.ndarray:
-        """Give new requests a slot (filling a reused prefix from the prompt); [R] slot ids."""
-        for req, committed in zip(b.requests.tolist(), b.committed.tolist(), strict=True):
-            if req in self.slot:
-                continue
-            self.slot[req] = s = self.free.pop()
-            if committed > 0:
-                self._fill_prefix(s, req, committed)
-        return np.array([self.slot[r] for r in b.requests.tolist()], dtype=np.int64)
-
-    def _fill_prefix(self, slot: int, req: int, n: int) -> None:
-        toks = self.prompts.get(req, ())
-        if len(toks) < n:
-            from sim.errors import TraceError
-
-            raise TraceError(f"request {req} starts at committed {n} but requests.parquet holds "
-                             f"{len(toks)} of its tokens")
-        dev = self.k.device
-        t = torch.tensor(toks[:n], device=dev)
-        pos = torch.arange(n, device=dev)
-        self.write(torch.full((n,), slot, device=dev), t, pos)
-
-    def write(self, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor) -> None:
-        h, d, dt = self.dims
-        self.k[slots, :, pos] = content(tokens, pos, 0, h, d, dt).float()
-        self.v[slots, :, pos] = content(tokens, pos, 1, h, d, dt).float()
-
-    def release(self, b: StepBatch) -> None:
-        for req in b.requests.tolist():
-            if self.last.get(req) == b.step and req in self.slot:
-                self.free.append(self.slot.pop(req))
+    def write(self, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
+        """kv [2, n, H_kv, D] (content_blocks' K and V) at (slot, position) pairs."""
+        self.kv[:, slots, :, pos] = kv.permute(1, 0, 2, 3)
 
 
-def reference_arrays(b: StepBatch, slots: np.ndarray) -> tuple[dict[str, np.ndarray], list]:
-    """Host-side index arrays of the reference (uploaded with the step): gen rows in one group,
-    each ctx row alone. Returns (arrays, groups), a group = (prefix, L, first slot | -1)."""
-    gen = np.flatnonzero(~b.is_ctx)
-    groups = ([gen] if gen.size else []) + [np.array([i]) for i in np.flatnonzero(b.is_ctx)]
-    arrays: dict[str, np.ndarray] = {}
-    meta = []
-    for g, rows in enumerate(groups):
-        ql = b.q_len[rows]
-        j = np.arange(int(ql.max()))
-        vr, vj = np.nonzero(j[None, :] < ql[:, None])
-        sl = slots[rows]
-        contiguous = bool(np.all(np.diff(sl) == 1)) if sl.size > 1 else True
-        tok = b.qo_indptr[rows][:, None] + np.minimum(j[None, :], ql[:, None] - 1)
-        arrays |= {f"g{g}_tok": tok,
-                   f"g{g}_limit": b.committed[rows][:, None] + j[None, :],
-                   f"g{g}_vr": vr, f"g{g}_vj": vj, f"g{g}_slots": sl}
-        span = int((b.committed[rows] + ql).max())
-        meta.append((f"g{g}_", span, int(sl[0]) if contiguous else -1))
-    return arrays, meta
-
-
-def reference(truth: TruthStore, dv: dict[str, torch.Tensor], groups: list,
+def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
               q: torch.Tensor) -> torch.Tensor:
     """fp32 reference output [nnz_q, Hq, D] for q [nnz_q, Hq, D] (built at true positions)."""
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for pre, L, s0 in groups:
-        tok = dv[pre + "tok"]
-        R = tok.shape[0]
-        if s0 >= 0:  # the rows' slots are consecutive: views, no gather
-            k, v = truth.k[s0: s0 + R, :, :L], truth.v[s0: s0 + R, :, :L]
+    n, Hq, D = q.shape
+    out: torch.Tensor | None = None
+    for g in groups:
+        pre = g.pre
+        qg = q.view(g.R, g.W, Hq, D) if g.identity else q[dv[pre + "tok"]]
+        # consecutive slots: views, no gather
+        sel = slice(g.s0, g.s0 + g.R) if g.s0 >= 0 else dv[pre + "slots"]
+        k, v = truth.kv[0, sel, :, : g.L], truth.kv[1, sel, :, : g.L]
+        o = attend(qg, k, v, dv[pre + "limit"], g.lo).reshape(g.R * g.W, Hq, D)
+        if g.identity:
+            return o
+        if out is None:
+            out = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
+        if g.span is not None:
+            out[g.span[0]: g.span[1]] = o[: g.span[1] - g.span[0]]
         else:
-            k, v = truth.k[dv[pre + "slots"], :, :L], truth.v[dv[pre + "slots"], :, :L]
-        o = attend(q[tok], k, v, dv[pre + "limit"])
-        vr, vj = dv[pre + "vr"], dv[pre + "vj"]
-        out[tok[vr, vj]] = o[vr, vj]
+            out.index_copy_(0, dv[pre + "dst"], o.index_select(0, dv[pre + "src"]))
+    assert out is not None, "a step without rows has no reference"
     return out
 
 
-def row_verdicts(b: StepBatch, dv: dict[str, torch.Tensor], out: torch.Tensor, ref: torch.Tensor,
-                 changed: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row verdict codes and max |out - ref| (NaN-free tokens only), both [R] on the device.
+def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """[2, nnz_q] fp32 on the device: max |out - ref| per token (NaN where either holds a NaN),
+    and max ref per token (NaN where the reference does)."""
+    err = (out - ref).abs_().flatten(1).amax(1)
+    return torch.stack([err, ref.flatten(1).amax(1)])
 
-    Args: out [nnz_q, Hq, D] kernel output (any float dtype); ref same shape fp32; changed [pages]
-    bool, pages whose checksum moved during the step.
-    """
-    dev = out.device
-    R = b.num_rows
-    row = dv["row_of_token"]
-    o = out.float()
-    tok_nan = torch.isnan(o).flatten(1).any(1) & ~torch.isnan(ref).flatten(1).any(1)
-    err = (o - ref).abs().flatten(1).amax(1).nan_to_num(0.0)
-    row_err = torch.zeros(R, device=dev).scatter_reduce(0, row, err, "amax")
-    row_nan = torch.zeros(R, device=dev, dtype=torch.bool).index_put_((row,), tok_nan,
-                                                                       accumulate=True)
-    allowed = torch.zeros_like(changed)
-    allowed[dv["allowed_pages"]] = True
+
+def verdicts(b: StepBatch, tok: np.ndarray, changed: np.ndarray, tol: float
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row verdict codes and max |out - ref| over NaN-free tokens, on the host.
+
+    Args: tok [2, nnz_q] from `token_errors`; changed [pages] bool, pages whose checksum moved
+    during the step."""
+    err, ref_max = tok[0], tok[1]
+    tok_nan = np.isnan(err) & ~np.isnan(ref_max)  # out has a NaN where the reference has none
+    err = np.nan_to_num(err.astype(np.float32), nan=0.0)
+    row = b.row_of_token
+    row_err = np.zeros(b.num_rows, dtype=np.float32)
+    np.maximum.at(row_err, row, err)
+    row_nan = np.bincount(row, weights=tok_nan, minlength=b.num_rows) > 0
+    allowed = np.zeros_like(changed)
+    allowed[b.allowed_pages] = True
     bad = changed & ~allowed
-    ew = dv["engine_write"]
-    arow = dv["app_row"]
-    own = dv["write_ok"].bool()
+    ew = b.engine_write
+    seen = (ew >= 0) & (ew < len(changed))  # a write past the pool moves no checksum
+    ewc = np.where(seen, ew, 0)
     # a row is to blame for a moved page its own append targeted outside its own blocks, or for
     # a page nobody may write this step; a stray change nobody's table explains blames them all
-    hit = (changed[ew.clamp(min=0)] & ~own | bad[ew.clamp(min=0)]) & (ew >= 0)
-    row_bad = torch.zeros(R, device=dev, dtype=torch.bool).index_put_((arow,), hit,
-                                                                      accumulate=True)
-    row_bad = row_bad | (bad.any() & ~row_bad.any())  # a stray write nobody's table explains
-    code = torch.where(row_err > tol, MISMATCH, OK)
-    code = torch.where(row_nan, NAN, code)
-    code = torch.where(row_bad, CORRUPT, code)
+    hit = ((changed[ewc] & ~b.write_ok) | bad[ewc]) & seen
+    row_bad = np.bincount(b.app_row, weights=hit, minlength=b.num_rows) > 0
+    row_bad |= bad.any() & ~row_bad.any()
+    code = np.where(row_err > tol, MISMATCH, OK)
+    code = np.where(row_nan, NAN, code)
+    code = np.where(row_bad, CORRUPT, code)
     return code, row_err

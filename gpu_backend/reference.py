@@ -18,6 +18,8 @@ model: it computes such a launch as freshly planned (no catalog trace has one; d
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 
@@ -36,7 +38,7 @@ class ReferenceKernels:
         self.num_q_heads, self.num_blocks = num_q_heads, num_blocks
 
     def run_step(self, pool: KVPool, b: StepBatch, rows: list[RowRecord],
-                 dv: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 dv: Mapping[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:
         acc = step_access(b.backend, rows, b.page_size, self.num_blocks)
         idx, slot = self._physical(pool, acc.writes, "append")

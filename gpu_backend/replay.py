@@ -21,6 +21,14 @@ step is a `fault`. XQA has no plan, so there the mismatch has no kernel effect.
 Every launch writes into one output buffer filled with NaN first (`out=`): a row no kernel writes
 reads as NaN, never as whatever the allocator held.
 
+No host-device syncs: the planners get pinned host arrays (indptr, last_page_len and the
+`seq_lens` FlashInfer would otherwise compute into pageable memory and copy with a stream sync,
+prefill.py plan()), and the decode planner's cached query range buffer is pinned too
+(`_pin_range`). A planner writes its schedule into the wrapper's one pinned buffer and queues an
+async copy from it (scheduler.cuh, no sync), so before re-planning a wrapper the host waits for
+the event recorded after its last plan (`_plan`): the host runs at most a plan ahead of the
+device instead of overwriting a schedule not yet copied.
+
 The engine's plan cache (`plan_cache_size`) is held as TRT-LLM holds it, one decode and one
 prefill wrapper per entry (each allocates its own 8 MiB int workspace on the device and 8 MiB of
 pinned host memory, flashinfer/decode.py and prefill.py __init__); `stats()` reports the memory
@@ -31,7 +39,7 @@ memory, not stale plans.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -44,6 +52,7 @@ from sim.trace.records import RowRecord
 
 _WS = 256 << 20
 _SPIN = 1_000_000  # GPU clock cycles (~0.5 ms) queued before a timed launch: hides host overhead
+Events = list[tuple[torch.cuda.Event, torch.cuda.Event]]
 
 
 class FlashInferKernels:
@@ -58,11 +67,16 @@ class FlashInferKernels:
         self.ws = ws
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws[0], "NHD")
         self.prefill: dict[str, Any] = {}
+        # timing: CUDA events around each launch (append and attention), each after a GPU spin
+        # so the start event fires once the host has queued the launch: the kernels' own device
+        # time, no host gaps (bench/gpu_replay.py times the wall in another pass, untimed)
         self.timing = timing
-        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        # attn_timing: CUDA events around each attention launch only (gpu_backend.fidelity)
+        self.events: list[Events] = []
+        # attn_timing: the same, attention launches only (gpu_backend.fidelity)
         self.attn_timing = attn_timing
-        self.attn_events: list[tuple[int, list[tuple[torch.cuda.Event, torch.cuda.Event]]]] = []
+        self.attn_events: list[tuple[int, Events]] = []
+        self.fence: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> event after its last plan
+        self.masks: dict[tuple[int, int], torch.Tensor] = {}  # XQA spec masks by (rows, W)
         self.plan_cache: list[tuple[Any, Any]] = []
         self.plan_cache_device = 0
         self.plan_cache_pinned: int | None = 0
@@ -74,21 +88,19 @@ class FlashInferKernels:
         return self.prefill[backend]
 
     def run_step(self, pool: KVPool, b: StepBatch, rows: list[RowRecord],
-                 dv: dict[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 dv: Mapping[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:
         self._hold_plan_cache(b.plan_cache_size)
         out = torch.full_like(q, float("nan"))  # a row no launch writes stays NaN
         if self.timing:
-            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            ev[0].record()
+            self.events.append([])
         if self.attn_timing:
             self.attn_events.append((b.step, []))
-        i32 = torch.int32
-        indices = dv["kv_indices"].to(i32)
+        indices = dv["kv_indices@32"]
         try:
-            self.fi.append_paged_kv_cache(
-                k, v, dv["app_row"].to(i32), dv["append_pos"].to(i32), pool.data,
-                indices, dv["kv_indptr"].to(i32), dv["last_page_len"].to(i32), kv_layout="NHD")
+            self._timed(lambda: self.fi.append_paged_kv_cache(
+                k, v, dv["app_row@32"], dv["append_pos@32"], pool.data, indices,
+                dv["kv_indptr@32"], dv["last_page_len@32"], kv_layout="NHD"), attention=False)
             for i, (s, e, kind) in enumerate(launch_runs(b)):
                 o = out[b.qo_indptr[s]: b.qo_indptr[e]]
                 got = self._attend(pool, b, dv, i, s, e, kind, q, indices, o)
@@ -99,9 +111,6 @@ class FlashInferKernels:
             if "CUDA" in str(exc) or "cuda" in str(exc):
                 raise  # a device fault poisons the context: only --isolate survives it
             raise KernelFault(f"{type(exc).__name__}: {exc}") from None
-        if self.timing:
-            ev[1].record()
-            self.events.append(ev)
         return out
 
     def _hold_plan_cache(self, n: int) -> None:
@@ -124,28 +133,44 @@ class FlashInferKernels:
                 "plan_cache_pinned_bytes": self.plan_cache_pinned}
 
     def kernel_ms(self) -> list[float]:
+        """timing: per step, the summed device time of its launches (append + attention)."""
         torch.cuda.synchronize()
-        return [a.elapsed_time(z) for a, z in self.events]
+        return [sum(a.elapsed_time(z) for a, z in evs) for evs in self.events]
 
     def attention_ms(self) -> dict[int, float]:
         """attn_timing: step -> summed time of its attention launches (append not included)."""
         torch.cuda.synchronize()
         return {k: sum(a.elapsed_time(z) for a, z in evs) for k, evs in self.attn_events}
 
-    def _timed(self, launch: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """One attention launch; with attn_timing between CUDA events, after a GPU spin so the
-        start event fires once the host has queued the kernel (host overhead is not timed)."""
-        if not self.attn_timing:
+    def _timed(self, launch: Callable[[], Any], attention: bool = True) -> Any:
+        """One launch; with timing (or attn_timing, attention only) between CUDA events, after a
+        GPU spin so the start event fires once the host has queued the kernel (host overhead is
+        not timed)."""
+        lists = ([self.events[-1]] if self.timing else []) + \
+            ([self.attn_events[-1][1]] if self.attn_timing and attention else [])
+        if not lists:
             return launch()
         torch.cuda._sleep(_SPIN)
         a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         out = launch()
         z.record()
-        self.attn_events[-1][1].append((a, z))
+        for evs in lists:
+            evs.append((a, z))
         return out
 
-    def _attend(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], i: int, s: int,
+    def _plan(self, w: Any, *args: Any, **kw: Any) -> None:
+        """w.plan(...) once the device has copied w's previous schedule out of w's pinned buffer
+        (module docstring); in steady state that copy is long done."""
+        ev = self.fence.get(id(w))
+        if ev is not None:
+            ev.synchronize()
+        w.plan(*args, **kw)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.fence[id(w)] = ev
+
+    def _attend(self, pool: KVPool, b: StepBatch, dv: Mapping[str, torch.Tensor], i: int, s: int,
                 e: int, kind: str, q: torch.Tensor, indices: torch.Tensor,
                 o: torch.Tensor) -> torch.Tensor:
         qr = q[b.qo_indptr[s]: b.qo_indptr[e]]
@@ -155,29 +180,32 @@ class FlashInferKernels:
                 return self._xqa(pool, b, dv, s, e, qr, o)
             # ctx rows of a block-table engine, or shapes XQA does not build: FA2 over the
             # table rows, with the lengths the engine passed (what XQA would read)
-            return self._csr(pool, b, dv, i, s, e, kind, qr, dv["xqa_indices"].to(torch.int32),
+            return self._csr(pool, b, dv, i, s, e, kind, qr, dv["xqa_indices@32"],
                              dv["xqa_indptr@host"][s: e + 1],
-                             dv["xqa_last_page_len@host"][s:e], o)
+                             dv["xqa_last_page_len@host"][s:e], dv["xqa_seq_lens@host"][s:e], o)
         stale = stale_plan(b, s, e, kind)
         if stale is not None:
             return self._stale_plan(pool, b, s, e, qr, indices, *stale, o)
         # pinned host tensors: plan() reads them on the host and copies them asynchronously
         return self._csr(pool, b, dv, i, s, e, kind, qr, indices, dv["kv_indptr@host"][s: e + 1],
-                         dv["last_page_len@host"][s:e], o)
+                         dv["last_page_len@host"][s:e], dv["seq_lens@host"][s:e], o)
 
-    def _csr(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], i: int, s: int,
+    def _csr(self, pool: KVPool, b: StepBatch, dv: Mapping[str, torch.Tensor], i: int, s: int,
              e: int, kind: str, qr: torch.Tensor, indices: torch.Tensor, kv_indptr: torch.Tensor,
-             lpl: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+             lpl: torch.Tensor, seq: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """seq: the kv lengths FlashInfer's get_seq_lens would compute from kv_indptr and lpl,
+        from pinned memory (prepare._step_arrays)."""
         hq, hkv, d, B = self.num_q_heads, pool.data.shape[3], pool.data.shape[4], b.page_size
         dt = pool.data.dtype
         if kind == "decode" and b.backend != "fa3":
-            self.decode.plan(kv_indptr, indices, lpl, hq, hkv, d, B, q_data_type=dt,
-                             kv_data_type=dt)
+            _pin_range(e - s + 1)
+            self._plan(self.decode, kv_indptr, indices, lpl, hq, hkv, d, B, q_data_type=dt,
+                       kv_data_type=dt, seq_lens=seq)
             return self._timed(lambda: self.decode.run(qr, pool.data, out=o))
         w = self._prefill("fa3" if b.backend == "fa3" else "fa2")
         qo = dv[f"run{i}_qo@host"]
-        w.plan(qo, kv_indptr, indices, lpl, hq, hkv, d, B, causal=True, q_data_type=dt,
-               kv_data_type=dt)
+        self._plan(w, qo, kv_indptr, indices, lpl, hq, hkv, d, B, causal=True, q_data_type=dt,
+                   kv_data_type=dt, seq_lens=seq)
         return self._timed(lambda: w.run(qr, pool.data, out=o))
 
     def _stale_plan(self, pool: KVPool, b: StepBatch, s: int, e: int, qr: torch.Tensor,
@@ -201,24 +229,21 @@ class FlashInferKernels:
                B, q_data_type=dt, kv_data_type=dt, **extra)
         buf = torch.full((max(n * width, o.shape[0]), *o.shape[1:]), float("nan"),
                          dtype=o.dtype, device=o.device)
-        return self._timed(lambda: w.run(qr, pool.data, out=buf[: o.shape[0]]))
+        got = self._timed(lambda: w.run(qr, pool.data, out=buf[: o.shape[0]]))
+        # w (its pinned schedule buffer) dies with this call while its async copy may still be
+        # queued: wait for it here (a rare path: hand-built stale-plan traces)
+        torch.cuda.current_stream().synchronize()
+        return got
 
-    def _xqa(self, pool: KVPool, b: StepBatch, dv: dict[str, torch.Tensor], s: int, e: int,
+    def _xqa(self, pool: KVPool, b: StepBatch, dv: Mapping[str, torch.Tensor], s: int, e: int,
              qr: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         W = int(b.q_len[s])
         if np.any(b.q_len[s:e] != W):
             raise KernelFault("xqa: ragged draft widths in one launch are not replayed")
         d = pool.data.shape[4]
-        bt = dv["block_table"][s:e].to(torch.int32)
-        seq = dv["kv_len"][s:e].to(torch.int32)
-        mask = None
-        if W > 1:  # draft-block causal mask: bit j of row i set iff j <= i (reference §4)
-            words = (W + 31) // 32
-            bits = np.zeros((e - s, W, words), dtype=np.uint32)
-            for i in range(W):
-                for j in range(i + 1):
-                    bits[:, i, j // 32] |= np.uint32(1 << (j % 32))
-            mask = torch.as_tensor(bits.view(np.uint16), device=self.dev)
+        bt = dv["block_table@32"][s:e]
+        seq = dv["kv_len@32"][s:e]
+        mask = self._xqa_mask(e - s, W) if W > 1 else None
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 
         # out: [B, W, H, D] for W > 1 (the query's view inside xqa_batch_decode_with_kv_cache)
@@ -227,6 +252,38 @@ class FlashInferKernels:
             qr, pool.data, self.ws[3], bt, seq, bt.shape[1] * b.page_size,
             bmm1_scale=1.0 / math.sqrt(d), bmm2_scale=1.0, kv_layout="NHD",
             q_len_per_req=W, mask=mask, out=ox))
+
+
+    def _xqa_mask(self, n: int, W: int) -> torch.Tensor:
+        """The draft-block causal mask, bit j of row i set iff j <= i (reference §4); built and
+        uploaded once per shape (an upload from pageable memory syncs the stream)."""
+        if (n, W) not in self.masks:
+            words = (W + 31) // 32
+            bits = np.zeros((n, W, words), dtype=np.uint32)
+            for i in range(W):
+                for j in range(i + 1):
+                    bits[:, i, j // 32] |= np.uint32(1 << (j % 32))
+            self.masks[(n, W)] = torch.as_tensor(bits.view(np.uint16), device=self.dev)
+        return self.masks[(n, W)]
+
+
+def _pin_range(n: int) -> None:
+    """Pin FlashInfer's cached host range buffer that the decode planner copies to the device as
+    its qo_indptr (decode.py plan(): `_get_range_buf(batch + 1, "cpu").to(device)`): from
+    pageable memory that copy is a stream sync per plan. FlashInfer 0.7.2 internals
+    (utils._cache_buf, keyed by the power of two above n); a no-op if they move."""
+    try:
+        from flashinfer import utils
+    except ImportError:
+        return
+    cache = getattr(utils, "_cache_buf", None)
+    if not isinstance(cache, dict):
+        return
+    n2 = 1 << (n - 1).bit_length()
+    key = (f"range_{n2}", "cpu")
+    buf = cache.get(key)
+    if buf is None or not buf.is_pinned():
+        cache[key] = torch.arange(n2, dtype=torch.int32).pin_memory()
 
 
 def _pinned_bytes() -> int | None:

@@ -1,82 +1,87 @@
-"""One host->device transfer per step, from pinned memory, so the replay never stalls the stream.
+"""Host -> device staging: many steps' index arrays in one pinned buffer and one copy.
 
-A copy from pageable host memory makes CUDA synchronize the stream first: twenty small
-`torch.as_tensor(np, device="cuda")` a step would serialize host and device twenty times. Here a
-step's index arrays are packed into one slot of a ring of pinned int64 buffers and copied with
-`non_blocking=True`; a slot is reused only after the event recorded after its copy has passed.
-Host tensors the FlashInfer planners read (indptr, last_page_len) come from the same ring, so
-their own `.to(device, non_blocking=True)` is asynchronous too.
+A copy from pageable host memory makes CUDA synchronize the stream first, and every small upload
+costs a launch. Here the host packs the arrays of a whole chunk of steps (`gpu_backend.prepare`
+builds them ahead) into one pinned int64 buffer and copies it with `non_blocking=True`; the
+device then holds it as int64 (indexing), int32 (kernel arguments) and bool (masks), so no step
+converts anything. A pinned int32 twin on the host serves the FlashInfer planners, which read
+their indptr arrays on the host and copy them to the device asynchronously. The chunk's buffers
+are never written again, so nothing waits for a copy to finish before reusing them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import numpy as np
 import torch
 
-_RING = 32  # slots; a step uses at most ~8, and fence() runs once a step
-_SLOT = 1 << 17  # int64 words per slot (1 MiB); a bigger step grows its slot
+_ALIGN = 32  # words: every array starts 256 B (int64) / 128 B (int32) aligned, as an allocation
+# name suffix -> which copy of the chunk a view comes from
+_COPIES = {"": "d64", "@32": "d32", "@b": "db", "@host": "h32", "@f64": "f64"}
 
 
-class Staging:
+class Chunk:
+    """One pinned upload of many steps' arrays; `add` before `upload`, `view` after."""
+
     def __init__(self, device: torch.device | str):
         self.dev = torch.device(device)
-        self.cuda = self.dev.type == "cuda"
-        # pinned allocations cost ~1 ms each: make the whole ring up front, outside the steps
-        self.bufs: list[torch.Tensor | None] = [
-            torch.empty(_SLOT, dtype=torch.int64, pin_memory=True) if self.cuda else None
-            for _ in range(_RING)]
-        self.events: list[torch.cuda.Event | None] = [None] * _RING
-        self.i = 0
+        self.parts: list[np.ndarray] = []
+        self.n = 0
+        self.bufs: dict[str, torch.Tensor] = {}
 
-    def _slot(self, n: int) -> torch.Tensor:
-        k = self.i % _RING
-        self.i += 1
-        ev = self.events[k]
-        if ev is not None:
-            ev.synchronize()  # only this slot's old copy, long finished in steady state
-        buf = self.bufs[k]
-        if buf is None or buf.numel() < n:
-            buf = self.bufs[k] = torch.empty(max(n, _SLOT), dtype=torch.int64, pin_memory=True)
-        return buf
+    def add(self, a: np.ndarray) -> tuple[int, tuple[int, ...]]:
+        """Queue one array (int64, or float64 stored as its bits); returns its slot."""
+        a = np.ascontiguousarray(a)
+        flat = a.view(np.int64).ravel() if a.dtype == np.float64 else \
+            a.astype(np.int64, copy=False).ravel()
+        pad = -self.n % _ALIGN  # kernels may load index arrays with vector instructions
+        if pad:
+            self.parts.append(np.zeros(pad, dtype=np.int64))
+        self.parts.append(flat)
+        off = self.n + pad
+        self.n = off + flat.size
+        return off, a.shape
 
-    def upload(self, arrays: dict[str, np.ndarray], host: tuple[str, ...] = ()
-               ) -> dict[str, torch.Tensor]:
-        """Device int64 views of `arrays`; names in `host` also as pinned host int32 copies
-        (key "NAME@host", for the planners). Shapes are kept."""
-        flat = [np.ascontiguousarray(a, dtype=np.int64).ravel() for a in arrays.values()]
-        n = sum(len(f) for f in flat)
-        if not self.cuda:
-            dev = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, np.int64))
-        else:
-            buf = self._slot(n)
-            np.concatenate(flat, out=buf.numpy()[:n]) if flat else None
-            dev = buf[:n].to(self.dev, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[(self.i - 1) % _RING] = ev
-        out: dict[str, torch.Tensor] = {}
-        off = 0
-        for (name, a), f in zip(arrays.items(), flat, strict=True):
-            out[name] = dev[off: off + len(f)].view(a.shape)
-            off += len(f)
-        for name in host:
-            out[name + "@host"] = self.host_i32(arrays[name])
-        return out
+    def upload(self) -> None:
+        cuda = self.dev.type == "cuda"
+        h64 = torch.empty(max(self.n, 1), dtype=torch.int64, pin_memory=cuda)
+        if self.parts:
+            np.concatenate(self.parts, out=h64.numpy()[: self.n])
+        h32 = torch.empty(h64.shape, dtype=torch.int32, pin_memory=cuda)
+        h32.numpy()[:] = h64.numpy()  # wraps the float64 bits: those are never read as int32
+        d64 = h64.to(self.dev, non_blocking=True) if cuda else h64
+        self.bufs = {"h32": h32, "d64": d64, "d32": h32.to(self.dev, non_blocking=True)
+                     if cuda else h32, "db": d64 != 0, "f64": d64.view(torch.float64)}
+        self.parts = []
 
-    def host_i32(self, a: np.ndarray) -> torch.Tensor:
-        """A pinned int32 host copy (for the planners), from the ring."""
-        if not self.cuda:
-            return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int32))
-        buf = self._slot(len(a)).view(torch.int32)[: len(a)]
-        buf.numpy()[:] = a
-        ev = torch.cuda.Event()
-        ev.record()  # fenced again by fence(): the planner's copy is enqueued after this point
-        self.events[(self.i - 1) % _RING] = ev
-        return buf
+    def view(self, copy: str, off: int, shape: tuple[int, ...]) -> torch.Tensor:
+        n = int(np.prod(shape)) if shape else 1
+        return self.bufs[copy][off: off + n].view(shape)
 
-    def fence(self) -> None:
-        """Record, for every slot, that work up to here (the step's planner copies) is queued."""
-        if self.cuda:
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events = [ev if e is not None else None for e in self.events]
+
+class StepArrays(Mapping[str, torch.Tensor]):
+    """A step's arrays by name, as views into its chunk: `name` int64 on the device, `name@32`
+    int32 on the device, `name@b` bool on the device, `name@host` pinned int32 on the host,
+    `name@f64` float64 on the device (arrays added as float64). Views are made on first use."""
+
+    def __init__(self, chunk: Chunk, slots: dict[str, tuple[int, tuple[int, ...]]]):
+        self.chunk, self.slots = chunk, slots
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self.cache.get(key)
+        if t is None:
+            name, at, suffix = key.partition("@")
+            t = self.cache[key] = self.chunk.view(_COPIES[at + suffix], *self.slots[name])
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def stage(chunk: Chunk, arrays: dict[str, np.ndarray]) -> StepArrays:
+    return StepArrays(chunk, {k: chunk.add(a) for k, a in arrays.items()})

@@ -8,6 +8,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from replay_traces import EXPECTED, SCENARIOS, _two
@@ -15,7 +16,7 @@ from replay_traces import EXPECTED, SCENARIOS, _two
 from gpu_backend.isolate import replay_isolated
 from gpu_backend.layout import build_step, launch_runs, stale_plan
 from gpu_backend.oracle import DEFAULT_TOL
-from gpu_backend.pool import KVPool, content
+from gpu_backend.pool import KVPool, content, content_blocks, mod_m
 from gpu_backend.run import run_replay
 from gpu_backend.tracedata import load_trace
 from sim.errors import TraceError
@@ -41,6 +42,22 @@ def test_content_is_deterministic_and_position_sensitive() -> None:
     assert torch.equal(a, content(t, p, 0, 2, 64, torch.bfloat16))
     assert (a[0] - a[1]).abs().max() > 0.5 and (a[0] - a[2]).abs().max() > 0.5
     assert a.abs().max() <= 1.0
+
+
+def test_content_blocks_are_content_bit_for_bit() -> None:
+    # one float64 pass for K, V and Q (the replay's) == the int64 definition, RoPE NaN included
+    t, p = np.array([7, 30011, 5, 1_000_010, 0]), np.array([3, 2047, 70, 9, 1_000_003])
+    T, P = torch.as_tensor(t), torch.as_tensor(p)
+    nan = torch.zeros((4, 5, 1, 1), dtype=torch.bool)  # K and Q blocks past a 64-row table
+    nan[[0, 2, 3]] = torch.as_tensor(p >= 64)[:, None, None]
+    x = content_blocks(torch.as_tensor(mod_m(t)), torch.as_tensor(mod_m(p)), 2, 4, 64,
+                       torch.bfloat16, nan=nan)
+    same = {"rtol": 0, "atol": 0, "equal_nan": True}
+    torch.testing.assert_close(x[0], content(T, P, 0, 2, 64, torch.bfloat16, rope_rows=64), **same)
+    torch.testing.assert_close(x[1], content(T, P, 1, 2, 64, torch.bfloat16), **same)
+    q = x[2:].permute(1, 0, 2, 3).reshape(5, 4, 64)
+    torch.testing.assert_close(q, content(T, P, 2, 4, 64, torch.bfloat16, rope_rows=64), **same)
+    assert x[1].isnan().sum() == 0 and x[0].isnan().any()
 
 
 def test_pool_poison_guards_and_checksum() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_backend.driver import in_flight_poison
+from gpu_backend.events import in_flight_poison
 from gpu_backend.layout import build_step, launch_runs, stale_plan
 from gpu_backend.oracle import DEFAULT_TOL
 from gpu_backend.pool import content

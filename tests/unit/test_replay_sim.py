@@ -9,12 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from replay_traces import EXPECTED, SCENARIOS
 
 from gpu_backend.agreement import main as agreement_main
 from gpu_backend.oracle import DEFAULT_TOL
 from gpu_backend.run import run_replay
-from gpu_backend.staging import Staging
+from gpu_backend.staging import Chunk, stage
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -69,12 +70,17 @@ def test_agreement_matrix_with_the_reference_backend(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("shape", [(3,), (2, 4)])
-def test_staging_keeps_names_shapes_and_host_copies(shape: tuple[int, ...]) -> None:
-    st = Staging("cpu")
+def test_staging_keeps_names_shapes_and_copies(shape: tuple[int, ...]) -> None:
+    chunk = Chunk("cpu")
     a = np.arange(int(np.prod(shape))).reshape(shape)
-    out = st.upload({"a": a, "b": np.array([7, 8])}, host=("b",))
-    assert out["a"].tolist() == a.tolist() and out["b"].tolist() == [7, 8]
-    assert out["b@host"].dtype.is_floating_point is False and out["b@host"].tolist() == [7, 8]
+    out = stage(chunk, {"a": a, "b": np.array([7, 0]), "f": np.array([0.5, 3.0])})
+    other = stage(chunk, {"a": np.array([9])})  # a second step in the same chunk
+    chunk.upload()
+    assert out["a"].tolist() == a.tolist() and out["b"].tolist() == [7, 0]
+    assert out["a@32"].dtype == torch.int32 and out["a@32"].tolist() == a.tolist()
+    assert out["b@host"].dtype == torch.int32 and out["b@host"].tolist() == [7, 0]
+    assert out["b@b"].tolist() == [True, False] and out["f@f64"].tolist() == [0.5, 3.0]
+    assert other["a"].tolist() == [9] and len(out) == 3
 
 
 def test_agreement_compares_the_simulator_with_each_backend() -> None:

@@ -1,0 +1,123 @@
+"""The trace's block events as pool operations, and the frees a step in flight could see."""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gpu_backend.tracedata import TraceData
+
+# ("nan", i, 0, 0): poison the pages of array ev{i}; ("copy", dst, src, n): copy n slots
+PoolOp = tuple[str, int, int, int]
+
+
+def event_ops(trace: TraceData, step: int, guard: int, refcount: dict[int, int],
+              flight: InFlight, arrays: dict[str, np.ndarray]) -> tuple[list[PoolOp], list[int]]:
+    """The block events after launch step-1 and before launch step, then the in-flight poison,
+    as pool operations in order: runs of poisoned pages (array `ev{i}` in `arrays`, one
+    index_fill each) and slot copies. Returns (ops, pool indices touched); keeps `refcount`
+    (block -> holders, from the events) current.
+
+    alloc/evict hand a block to a new owner: its old content is garbage to it, so it is poisoned.
+    free keeps content (a cached block may be reused), except the frees whose `seq` is a double
+    free of a live block (`in_flight_poison`); copy moves the first num_tokens slots."""
+    g, pz = guard, trace.model.page_size
+    ops: list[PoolOp] = []
+    run: list[int] = []
+    touched: list[int] = []
+
+    def flush() -> None:
+        if run:
+            arrays[f"ev{len(ops)}"] = np.array(run, dtype=np.int64)
+            ops.append(("nan", len(ops), 0, 0))
+            run.clear()
+
+    for key in ((step - 1, "proc"), (step, "sched")):
+        for ev in trace.events.get(key, ()):
+            if ev.event == "done":
+                continue
+            refcount[ev.block] = ev.refcount
+            i = ev.block + g
+            if ev.event in ("alloc", "evict") or ev.seq in flight.double_free:
+                run.append(i)
+            elif ev.event == "copy" and ev.src >= 0:
+                flush()
+                ops.append(("copy", i, ev.src + g, ev.num_tokens or pz))
+            else:
+                continue
+            touched.append(i)
+    for blk in flight.before_step.get(step, ()):
+        run.append(blk + g)
+        touched.append(blk + g)
+    flush()
+    return ops, touched
+
+
+
+@dataclass
+class InFlight:
+    """What `in_flight_poison` found: step -> engine block ids to poison before the step runs,
+    and the seqs of double frees of live blocks outside any window (poisoned in order)."""
+    before_step: dict[int, list[int]] = field(default_factory=dict)
+    double_free: frozenset[int] = frozenset()
+
+
+def in_flight_poison(trace: TraceData) -> InFlight:
+    """The frees the device could see while a step is in flight (overlap, docs/trace.md).
+
+    Step k is in flight from its launch until the host's `done` event with src == k. A `free`
+    in that window of a block its request holds, by a request with a row in step k, hands the
+    pages back while k may still read them: the allocator may refill them (TRT-LLM's
+    TRTLLM_KV_FRESH_PAGE_FILL poisons pages as it hands them out), so the worst legal timing
+    runs k after that refill. A `free` by a request that no longer holds the block (a double
+    free) puts it in the free list while another request or the prefix cache still holds it: it
+    is poisoned too (before the step whose window it falls in, else at its place in order).
+    A trace without `done` events (hand-built) is replayed strictly in order: nothing here."""
+    flat = sorted((e for evs in trace.events.values() for e in evs), key=lambda e: e.seq)
+    if not any(e.event == "done" for e in flat):
+        return InFlight()
+    holders: dict[int, list[int]] = {}
+    cached: set[int] = set()
+    own_free: set[int] = set()  # seqs of frees by a holder
+    live_double: set[int] = set()  # seqs of double frees of a block someone else keeps
+    for e in flat:
+        held = holders.setdefault(e.block, [])
+        if e.event == "alloc":
+            held[:] = [e.request]
+            cached.discard(e.block)
+        elif e.event == "reuse":
+            held.append(e.request)
+        elif e.event == "evict":
+            held.clear()
+            cached.discard(e.block)
+        elif e.event == "hash":
+            cached.add(e.block)
+        elif e.event in ("free", "rewind"):
+            if e.request in held:
+                held.remove(e.request)
+                if e.event == "free":
+                    own_free.add(e.seq)
+            elif e.event == "free" and (held or e.block in cached):
+                live_double.add(e.seq)
+    keys = [(e.step, 0 if e.phase == "sched" else 1) for e in flat]
+    out = InFlight()
+    windowed: set[int] = set()
+    for s in trace.steps:
+        reqs = {r.request for r in trace.rows[s.step]}
+        if not reqs:
+            continue
+        blocks: list[int] = []
+        for e in flat[bisect.bisect_left(keys, (s.step, 1)):]:
+            if e.event == "done" and e.src == s.step:
+                break
+            if e.event != "free":
+                continue
+            if (e.seq in own_free and e.request in reqs) or e.seq in live_double:
+                blocks.append(e.block)
+                windowed.add(e.seq)
+        if blocks:
+            out.before_step[s.step] = blocks
+    out.double_free = frozenset(live_double - windowed)
+    return out

@@ -1,0 +1,235 @@
+"""Everything the replay needs that depends on the trace alone, built on the host ahead of the
+device work (pure numpy) and staged in chunks of steps, one pinned upload each:
+
+- the block events of each step as pool operations (poison runs, copies), the in-flight frees;
+- the flat kernel inputs (`layout.build_step`, with the shared blocks from the events' refcounts);
+- the truth store's slots (admission, release) and prefix fills;
+- the content inputs (token and position mod M as float64, the RoPE-overrun NaN mask);
+- the fp32 reference's index arrays (`RefGroup`), the rewind's pool rows.
+
+The step loop (`driver.replay`) then only launches device work: no numpy, no host-device syncs.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
+from gpu_backend.layout import StepBatch, build_step, run_arrays
+from gpu_backend.pool import mod_m
+from gpu_backend.staging import Chunk, StepArrays, stage
+from gpu_backend.tracedata import TraceData
+from sim.errors import TraceError
+from sim.trace.records import RowRecord, StepRecord
+
+CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host memory on long traces
+
+
+@dataclass(frozen=True)
+class RefGroup:
+    """Rows whose fp32 reference is one batched attention: R rows x W queries over L keys.
+    s0 >= 0: their truth slots are s0.. s0+R-1 (views, no gather). Keys below `lo` are visible
+    to every query (only [lo, L) is masked). identity: the group is the whole step in token
+    order (q and the output need no gather); else `span` = (start, stop) when its tokens are one
+    contiguous run in order, or None (index arrays `{pre}src`/`{pre}dst`)."""
+    pre: str
+    R: int
+    W: int
+    L: int
+    s0: int
+    lo: int
+    identity: bool
+    span: tuple[int, int] | None
+
+
+@dataclass
+class Prepared:
+    step: StepRecord
+    rows: list[RowRecord]
+    b: StepBatch
+    dv: StepArrays
+    ops: list[PoolOp]  # the block events (events.event_ops)
+    touched: bool  # the events changed pages: re-sum `touched`
+    fill: bool  # new requests' prefixes go into the truth store (fill_*)
+    engine_nan: bool  # some engine K/Q is past the RoPE table (eng_nan)
+    truth_same: bool  # truth K/V/Q of the queries == the engine's (one content pass)
+    q_identity: bool  # the queries are the appends (no device-ahead extras)
+    rewind: bool  # rejected drafts to poison (rej_rows, rej_pages)
+    groups: list[RefGroup]
+
+
+@dataclass
+class HostState:
+    """The host bookkeeping the old loop kept between steps: block refcounts and truth slots."""
+    trace: TraceData
+    guard: int
+    rope_rows: int | None
+    refcount: dict[int, int] = field(default_factory=dict)
+    slot: dict[int, int] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)
+    last: dict[int, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
+    """(slots, span, last step of each request): the truth store holds the live requests'
+    contiguous K/V; a request keeps its slot from its first row to its last row."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    span = 1
+    for step in sorted(trace.rows):
+        for r in trace.rows[step]:
+            span = max(span, r.committed + r.q_len)
+            first.setdefault(r.request, step)
+            last[r.request] = step
+    starts, ends = Counter(first.values()), Counter(last.values())
+    live = peak = 0
+    for step in sorted(trace.rows):
+        live += starts[step]
+        peak = max(peak, live)
+        live -= ends[step]
+    return max(peak, 1), span, last
+
+
+def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str
+                   ) -> Iterator[Prepared]:
+    """The trace's steps with rows, prepared and staged, a chunk at a time."""
+    t0 = time.perf_counter()
+    flight = in_flight_poison(trace)
+    chunk, batch = Chunk(device), []
+    for s in trace.steps:
+        rows = trace.rows[s.step]
+        if not rows:
+            continue  # as the old loop: such a step's events are not applied
+        batch.append(_prepare(state, s, rows, flight, chunk))
+        if chunk.n >= CHUNK_WORDS:
+            chunk.upload()
+            state.seconds += time.perf_counter() - t0
+            yield from batch
+            t0 = time.perf_counter()
+            chunk, batch = Chunk(device), []
+    chunk.upload()
+    state.seconds += time.perf_counter() - t0
+    yield from batch
+
+
+def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
+             chunk: Chunk) -> Prepared:
+    arrays: dict[str, np.ndarray] = {}
+    ops, touched = event_ops(st.trace, s.step, st.guard, st.refcount, flight, arrays)
+    shared = np.array([blk for blk, n in st.refcount.items() if n > 1], dtype=np.int64)
+    b = build_step(s, rows, st.trace.model.page_size, st.guard, shared)
+    slots, fill = _admit(st, b, arrays)
+    arrays |= _step_arrays(b, slots) | run_arrays(b)
+    if touched:
+        arrays["touched"] = np.unique(touched)
+    eng_nan, same = _content_arrays(st, b, arrays)
+    groups = _ref_groups(b, slots, arrays)
+    rej = np.unique(b.reject_page)
+    if rej.size:
+        pz = st.trace.model.page_size
+        base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
+        arrays |= {"rej_rows": np.concatenate([base, base + pz]), "rej_pages": rej}
+    for req in b.requests.tolist():  # release: the slot is free for the next step's admissions
+        if st.last.get(req) == b.step and req in st.slot:
+            st.free.append(st.slot.pop(req))
+    return Prepared(s, rows, b, stage(chunk, arrays), ops, bool(touched), fill, eng_nan, same,
+                    b.num_tokens == len(b.app_tokens), bool(rej.size), groups)
+
+
+def _admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
+    """Truth slots of the step's rows; new requests that start at committed > 0 get their prefix
+    (prompt tokens 0..committed-1) written into the store (`fill_*` arrays)."""
+    fs: list[np.ndarray] = []
+    ft: list[np.ndarray] = []
+    for req, committed in zip(b.requests.tolist(), b.committed.tolist(), strict=True):
+        if req in st.slot:
+            continue
+        st.slot[req] = s = st.free.pop()
+        if committed > 0:
+            toks = st.trace.prompts.get(req, ())
+            if len(toks) < committed:
+                raise TraceError(f"request {req} starts at committed {committed} but "
+                                 f"requests.parquet holds {len(toks)} of its tokens")
+            fs.append(np.full(committed, s, dtype=np.int64))
+            ft.append(np.asarray(toks[:committed], dtype=np.int64))
+    slots = np.array([st.slot[r] for r in b.requests.tolist()], dtype=np.int64)
+    if not fs:
+        return slots, False
+    pos = np.concatenate([np.arange(len(t)) for t in ft])
+    tok = np.concatenate(ft)
+    arrays |= {"fill_slot": np.concatenate(fs), "fill_pos": pos, "fill_tok_m": mod_m(tok),
+               "fill_pos_m": mod_m(pos)}
+    return slots, True
+
+
+def _step_arrays(b: StepBatch, slots: np.ndarray) -> dict[str, np.ndarray]:
+    """The kernels' inputs and the truth writes' indices (driver.device_arrays + seq_lens)."""
+    B = b.page_size
+    seq = np.maximum(np.diff(b.kv_indptr) - 1, 0) * B + b.last_page_len  # FlashInfer get_seq_lens
+    xseq = np.maximum(np.diff(b.xqa_indptr) - 1, 0) * B + b.xqa_last_page_len
+    return device_arrays(b, slots) | {"seq_lens": seq, "xqa_seq_lens": xseq,
+                                      "tslot": slots[b.row_of_token]}
+
+
+def device_arrays(b: StepBatch, slots: np.ndarray) -> dict[str, np.ndarray]:
+    return {"tokens": b.tokens, "rope_pos": b.rope_pos, "true_pos": b.true_pos,
+            "row_of_token": b.row_of_token, "append_pos": b.append_pos, "slots": slots,
+            "app_row": b.app_row, "app_tokens": b.app_tokens, "app_rope": b.app_rope,
+            "kv_indices": b.kv_indices, "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len,
+            "block_table": b.block_table, "kv_len": b.kv_len, "xqa_indptr": b.xqa_indptr,
+            "xqa_indices": b.xqa_indices, "xqa_last_page_len": b.xqa_last_page_len}
+
+
+def _content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
+                    ) -> tuple[bool, bool]:
+    """Content inputs. Returns (engine NaN mask needed, truth content == engine content)."""
+    arrays |= {"app_tok_m": mod_m(b.app_tokens), "app_pos_m": mod_m(b.app_rope)}
+    over = (b.app_rope >= st.rope_rows) if st.rope_rows is not None else \
+        np.zeros(len(b.app_rope), dtype=bool)
+    nq = st.trace.model.num_q_heads // st.trace.model.num_kv_heads
+    if over.any():  # K and Q blocks of those tokens read past the RoPE table: NaN; V is not rotated
+        mask = np.repeat(over[None, :], 2 + nq, axis=0)
+        mask[1] = False
+        arrays["eng_nan"] = mask[:, :, None, None]
+    a_start = np.concatenate([[0], np.cumsum(np.bincount(b.app_row, minlength=b.num_rows))])
+    q2a = a_start[b.row_of_token] + (np.arange(b.num_tokens) - b.qo_indptr[b.row_of_token])
+    arrays["q2a"] = q2a
+    same = bool(np.array_equal(b.rope_pos, b.true_pos) and not over[q2a].any())
+    if not same:
+        arrays |= {"tok_m": mod_m(b.tokens), "true_pos_m": mod_m(b.true_pos)}
+    return bool(over.any()), same
+
+
+def _ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray]
+                ) -> list[RefGroup]:
+    """The reference's batches: the gen rows in one group, each ctx row alone (as before)."""
+    gen = np.flatnonzero(~b.is_ctx)
+    rows_of = ([gen] if gen.size else []) + [np.array([i]) for i in np.flatnonzero(b.is_ctx)]
+    out = []
+    for g, rows in enumerate(rows_of):
+        pre = f"g{g}_"
+        ql = b.q_len[rows]
+        W = int(ql.max())
+        j = np.arange(W)
+        vr, vj = np.nonzero(j[None, :] < ql[:, None])
+        sl = slots[rows]
+        consecutive = sl.size == 1 or bool(np.all(np.diff(sl) == 1))
+        tok = b.qo_indptr[rows][:, None] + np.minimum(j[None, :], ql[:, None] - 1)
+        limit = b.committed[rows][:, None] + j[None, :]
+        dst, src = tok[vr, vj], vr * W + vj
+        identity = len(rows) == b.num_rows and bool(np.all(ql == W))
+        run = bool(np.all(src == np.arange(len(src))) and np.all(np.diff(dst) == 1))
+        arrays |= {pre + "limit": limit, pre + "tok": tok, pre + "slots": sl}
+        if not run:
+            arrays |= {pre + "src": src, pre + "dst": dst}
+        out.append(RefGroup(pre, len(rows), W, int((b.committed[rows] + ql).max()),
+                            int(sl[0]) if consecutive else -1, int(limit.min()) + 1, identity,
+                            (int(dst[0]), int(dst[-1]) + 1) if run else None))
+    return out

@@ -6,13 +6,13 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # torch==2.13.0 resolves to the CPU build on these machines; the CPU replay backend needs it.
 EXTRAS := dev,cpu-ref
 
-.PHONY: run test lint bench bench-memory setup clean
+.PHONY: run test lint bench bench-sim bench-memory bench-fuzz bench-gpu setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[$(EXTRAS)]"
-	$(BIN)/python -c "import sim.fast; sim.fast.warm()"  # compile the fast engine once (numba cache)
+	$(BIN)/python -c "import sim.fast; sim.fast.warm()"  # compile the fast engine and the compiled checker once (numba cache)
 	rm -f $(VENV)/.installed-*; touch $@
 
 setup: $(STAMP)
@@ -29,11 +29,15 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 
+# `make bench` runs every benchmark (bench/README.md); each writes bench/results/*.json.
+# It takes about half an hour on 2 cores; the parts run alone too.
+bench: bench-sim bench-memory bench-fuzz bench-gpu
+
 # Side by side (fast vs reference engine) at 2,000 requests, then the targets at 10,000.
-bench: $(STAMP)
+bench-sim: $(STAMP)
 	$(BIN)/python bench/run.py --requests 2000 --workloads a --engines auto,reference --reps 1 \
 		--out bench/results/sim_side_by_side_2k.json
-	$(BIN)/python bench/run.py --requests 10000 --workloads a --reps 3 --reps-for checked=1 \
+	$(BIN)/python bench/run.py --requests 10000 --workloads a --reps 3 \
 		--out bench/results/sim_a10k.json
 	$(BIN)/python bench/run.py --requests 10000 --workloads b --reps 1 \
 		--out bench/results/sim_b10k.json
@@ -42,11 +46,17 @@ bench-memory: $(STAMP)
 	$(BIN)/python bench/memory.py --requests 1000000 --scenario bench/workloads/a_vidur.toml \
 		--out bench/results/memory_1m.json
 
+bench-fuzz: $(STAMP)
+	$(BIN)/python bench/fuzz_ttf.py --out bench/results/fuzz_ttf.json
+
+# On a CUDA host with the gpu extra (GPU_PY: a Python with torch + flashinfer); skipped here.
+GPU_PY ?= $(BIN)/python
+bench-gpu:
+	@if $(GPU_PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; \
+	then $(GPU_PY) tests/unit/replay_traces.py --big /tmp/kvsim-bench-gpu >/dev/null && \
+		$(GPU_PY) bench/gpu_replay.py /tmp/kvsim-bench-gpu/big_verify \
+			--json bench/results/gpu_replay.json; \
+	else echo "bench-gpu: skipped, no CUDA device for $(GPU_PY) (bench/README.md: GPU host)"; fi
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
-
-# Benchmarks write bench/results/*.json (bench/README.md); they take minutes, not seconds.
-bench-all: $(STAMP)
-	$(BIN)/python bench/run.py
-	$(BIN)/python bench/memory.py --requests 100000
-	$(BIN)/python bench/fuzz_ttf.py

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.metadata
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 
 from sim.check import StepChecker
+from sim.check.compiled import CompiledChecker
 from sim.check.registry import LAUNCH_ORDER
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
@@ -20,7 +22,7 @@ from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
 from sim.trace.writer import TraceWriter, to_arrow
-from sim.workload import iter_workload
+from sim.workload import RequestSpec, iter_workload
 
 __all__ = ["RunResult", "load_scenario", "parse_scenario", "run", "switches_for"]
 
@@ -59,8 +61,10 @@ class _Sink:
     """
 
     def __init__(self, sc: Scenario, writer: TraceWriter | None, checker: StepChecker | None,
-                 progress: Callable[[int], None] | None, collect: bool) -> None:
+                 progress: Callable[[int], None] | None, collect: bool,
+                 compiled: CompiledChecker | None = None) -> None:
         self.writer, self.checker, self.progress, self.collect = writer, checker, progress, collect
+        self.compiled = compiled
         self.B = sc.cache.tokens_per_block
         self.steps: list[tuple] = []
         self.kv: list[tuple[int, int, float, int]] = []
@@ -94,6 +98,8 @@ class _Sink:
         used = ch.steps["blocks_used"]
         if len(used):
             self.peak_blocks = max(self.peak_blocks, int(used.max()))
+        if self.compiled is not None:
+            self.compiled.feed(ch.steps, ch.rows, ch.blocks)
         if self.checker is not None:
             for step, rows, events in self.stream.feed(ch):
                 self._step_records(step, rows, events)
@@ -141,6 +147,33 @@ class _Sink:
                 out.extend(ck.block_event(e))
 
 
+def _specs(sc: Scenario, base_dir: Path | None) -> Iterator[RequestSpec]:
+    rng = np.random.default_rng(np.random.SeedSequence(sc.seed).spawn(4)[3])
+    return iter_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
+                         base_dir=base_dir)
+
+
+def _worded(sc: Scenario, sw: Switches, model: dict, base_dir: Path | None,
+            found: list[tuple[str, int, int]]) -> list[Violation]:
+    """The compiled checker found violations: run again (the same run: deterministic) through
+    StepChecker, the oracle, for their messages. A run that violates nothing never gets here."""
+    sink = _Sink(sc, None, StepChecker(model), None, collect=False)
+    FastEngine(sc, sw, _specs(sc, base_dir), sink.on_chunk, detail=True).run()
+    sink.finish_chunks()
+    assert sink.checker is not None
+    out = sink.violations + sink.checker.finish()
+    if [(v.invariant, v.step, v.request) for v in out] != found:
+        warnings.warn(CheckerDisagreement(
+            f"the compiled checker found {found[:3]}... ({len(found)}) but StepChecker "
+            f"{[(v.invariant, v.step, v.request) for v in out[:3]]}... ({len(out)}); "
+            "StepChecker's are reported. Please report this kvsim bug."), stacklevel=3)
+    return out
+
+
+class CheckerDisagreement(RuntimeWarning):
+    """The compiled checker and StepChecker disagree on a run: a kvsim bug."""
+
+
 def _model_info(sc: Scenario, sw: Switches) -> dict:
     m = sc.model
     return {"num_q_heads": m.num_q_heads, "num_kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
@@ -165,13 +198,15 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
     name, sw = switches_for(sc, profile, switches)
     fast = _pick_engine(engine, sc, sw)
     model = _model_info(sc, sw)
-    rng = np.random.default_rng(np.random.SeedSequence(sc.seed).spawn(4)[3])
-    specs = iter_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
-                          base_dir=base_dir)
+    specs = _specs(sc, base_dir)
     writer = None
     try:
         writer = TraceWriter(out) if out is not None else None
-        sink = _Sink(sc, writer, StepChecker(model) if check else None, on_progress, collect)
+        # the fast engine's chunks go to the compiled checker; the reference engine's records
+        # to StepChecker, which is also what words whatever the compiled one finds
+        compiled = CompiledChecker(model) if check and fast else None
+        checker = StepChecker(model) if check and not fast else None
+        sink = _Sink(sc, writer, checker, on_progress, collect, compiled)
         detail = writer is not None or check
         if fast:
             feng = FastEngine(sc, sw, specs, sink.on_chunk, detail)
@@ -179,6 +214,8 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
             sink.finish_chunks()
             raised = feng.violations
             state = (feng.totals, feng.step, feng.num_usable, feng.now)
+            if compiled is not None and (found := compiled.finish()):
+                sink.violations = _worded(sc, sw, model, base_dir, found)
         else:
             eng = Engine(sc, sw, specs, sink, record_events=detail, detail=detail)
             eng.proc.on_request = sink.on_request

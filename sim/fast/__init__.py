@@ -1,8 +1,12 @@
 """The fast engine: the reference engine's semantics compiled (numba) for the scenarios where
 the hot path is plain decode (no MTP, no overlap, no reuse); the same trace, byte for byte."""
 
-from sim.fast.columns import Chunk, StepStream, request_records
-from sim.fast.engine import FastEngine, supports
+from sim.jit_cache import drop_stale
+
+drop_stale(__file__)  # before the kernel modules below load anything from numba's cache
+
+from sim.fast.columns import Chunk, StepStream, request_records  # noqa: E402
+from sim.fast.engine import FastEngine, supports  # noqa: E402
 
 __all__ = ["Chunk", "FastEngine", "StepStream", "request_records", "supports", "warm"]
 
@@ -10,8 +14,9 @@ _warm = False
 
 
 def warm() -> None:
-    """Compile the kernel now (or load it from numba's cache), outside anything timed: the
-    fuzzer's hang guard, benchmarks. Idempotent; a tiny one-request run."""
+    """Compile the kernel and the compiled checker now (or load them from numba's cache),
+    outside anything timed: the fuzzer's hang guard, benchmarks. Idempotent; a tiny checked
+    one-request run."""
     global _warm
     if _warm:
         return
@@ -20,5 +25,5 @@ def warm() -> None:
                         "cache": {"reuse": "off", "tokens_per_block": 4, "num_blocks": 8},
                         "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 3,
                                                    "output_len": 2}]}}),
-        check=False, engine="fast", collect=False)
+        check=True, engine="fast", collect=False)
     _warm = True

@@ -14,6 +14,9 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
   the host's planning time counted as kernel time: 0.51-0.61 ms there vs 0.15 ms of kernels.)
+- host_wait_ms_per_step: of the wall, the time the host waited for the device (the plan
+  fences, `FlashInferKernels.wait_s`): near 0 means the host is the bottleneck, near the wall
+  minus the host's own queueing time means the device is.
 - --profile: a cProfile of one more, untimed pass (host time by function).
 """
 
@@ -37,19 +40,23 @@ from gpu_backend.replay import FlashInferKernels
 from gpu_backend.tracedata import TraceData, load_trace
 
 
-def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, ReplayResult]:
-    """(ms per step from `first` to `last`, result) of one untimed replay."""
+def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, ReplayResult]:
+    """(ms per step from `first` to `last`, ms per step the host waited for the device inside
+    those steps, result) of one untimed replay. The wait is the time the host sat in
+    FlashInfer-plan fences (the only waits in a step): wall - wait is the host's own time."""
     marks: dict[str, float] = {}
+    k = FlashInferKernels(trace.model.num_q_heads, "cuda")
 
     def on_step(step: int, what: str) -> None:
         if (step, what) in ((first, "start"), (last, "done")):
             torch.cuda.synchronize()
             marks[what] = time.perf_counter()
+            marks["wait_" + what] = k.wait_s
 
-    k = FlashInferKernels(trace.model.num_q_heads, "cuda")
     res = replay(trace, k, "cuda", on_step=on_step)
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
-    return (marks["done"] - marks["start"]) * 1e3 / n, res
+    return ((marks["done"] - marks["start"]) * 1e3 / n,
+            (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, res)
 
 
 def kernel_pass(trace: TraceData) -> list[float]:
@@ -81,8 +88,8 @@ def main() -> None:
     trace = load_trace(a.trace)
     first, last = trace.steps[1].step, trace.steps[-1].step
     replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")  # JIT, warm-up
-    wall, res = wall_pass(trace, first, last)
-    wall2, res2 = wall_pass(trace, first, last)
+    wall, wait, res = wall_pass(trace, first, last)
+    wall2, wait2, res2 = wall_pass(trace, first, last)
     ms = kernel_pass(trace)
     if a.profile:
         profile_pass(trace)
@@ -95,10 +102,12 @@ def main() -> None:
     out |= {"commit": commit, "trace": str(a.trace), "steps": len(ms),
             "batch": len(trace.rows[first]),
             "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
+            "host_wait_ms_per_step": wait,
             "kernel_ms_per_step": kern, "ratio": wall / kern, "prepare_ms_per_step": prep,
             "ratio_incl_prepare": (wall + prep) / kern, "counts": res.counts(),
             "max_ok_err": max_ok_error(res), "rows_checked": len(rows),
-            "repeat": {"wall_ms_per_step": wall2, "ratio": wall2 / kern,
+            "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,
+                       "ratio": wall2 / kern,
                        "same_verdicts": [r.verdict for r in res.rows] ==
                        [r.verdict for r in res2.rows]},
             "kernel_ms_min_max": [min(ms), max(ms)]}

@@ -9,7 +9,9 @@ only what the verdicts need (per-token max error and NaN flags, the pages whose 
 
 from __future__ import annotations
 
+import functools
 import math
+from types import ModuleType
 
 import numpy as np
 import torch
@@ -25,6 +27,17 @@ VERDICTS = ("ok", "mismatch", "nan", "corrupt", "fault")
 # and bf16 P·V accumulation adds ~1e-3 (measured noise: docs/gpu.md). A wrong RoPE position or
 # a foreign page moves the output by > 5e-2. 2e-2 leaves ~4x margin both ways.
 DEFAULT_TOL = 2e-2
+FUSED = True  # the reference through gpu_backend.refattn (one Triton launch) where it runs
+
+
+@functools.lru_cache(maxsize=1)
+def _refattn() -> ModuleType | None:
+    """gpu_backend.refattn, or None without Triton (the CPU, a GPU image without it)."""
+    try:
+        from gpu_backend import refattn
+    except ImportError:
+        return None
+    return refattn
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
@@ -81,16 +94,24 @@ class TruthStore:
 
 def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
               q: torch.Tensor) -> torch.Tensor:
-    """fp32 reference output [nnz_q, Hq, D] for q [nnz_q, Hq, D] (built at true positions)."""
+    """fp32 reference output [nnz_q, Hq, D] for q [nnz_q, Hq, D] (built at true positions).
+    On the GPU one Triton launch per group (`refattn`: the truth slots are read in place), else
+    `attend` over the group's truth K/V."""
     n, Hq, D = q.shape
+    fused = _refattn() if FUSED and q.is_cuda else None
+    if fused is not None and not fused.supported(q, truth.kv):
+        fused = None
     out: torch.Tensor | None = None
     for g in groups:
         pre = g.pre
         qg = q.view(g.R, g.W, Hq, D) if g.identity else q[dv[pre + "tok"]]
-        # consecutive slots: views, no gather
-        sel = slice(g.s0, g.s0 + g.R) if g.s0 >= 0 else dv[pre + "slots"]
-        k, v = truth.kv[0, sel, :, : g.L], truth.kv[1, sel, :, : g.L]
-        o = attend(qg, k, v, dv[pre + "limit"], g.lo).reshape(g.R * g.W, Hq, D)
+        if fused is not None:
+            o = fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L)
+        else:  # consecutive slots: views, no gather
+            sel = slice(g.s0, g.s0 + g.R) if g.s0 >= 0 else dv[pre + "slots"]
+            k, v = truth.kv[0, sel, :, : g.L], truth.kv[1, sel, :, : g.L]
+            o = attend(qg, k, v, dv[pre + "limit"], g.lo)
+        o = o.reshape(g.R * g.W, Hq, D)
         if g.identity:
             return o
         if out is None:
@@ -106,6 +127,9 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
 def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """[2, nnz_q] fp32 on the device: max |out - ref| per token (NaN where either holds a NaN),
     and max ref per token (NaN where the reference does)."""
+    fused = _refattn() if FUSED and out.is_cuda else None
+    if fused is not None:  # one launch instead of six
+        return fused.token_errors(out, ref)
     err = (out - ref).abs_().flatten(1).amax(1)
     return torch.stack([err, ref.flatten(1).amax(1)])
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ import torch
 # the kernels' bf16 noise.
 _M = 1_000_003
 _Q_GAIN = 4.0  # logits std ~2 at D=128: attention weights are far from uniform
+_TURN = float(np.float32(2 * math.pi / _M))  # the fp32 factor torch's mul_ applies
 
 
 @functools.lru_cache(maxsize=32)
@@ -63,7 +65,12 @@ def content_blocks(tok: torch.Tensor, pos: torch.Tensor, kv_heads: int, q_heads:
     so); integer arithmetic in float64 is exact below 2^53 and the phase stays below 3 M^2, so
     one pass of float64 ops replaces three int64 passes (int64 `%` is slow on the GPU).
     nan: bool [blocks, n, 1, 1], elements to set NaN (the engine's RoPE table overrun)."""
-    a, p, c = _block_coeffs(kv_heads, q_heads if q else 0, dim, str(tok.device))
+    coeffs = _block_coeffs(kv_heads, q_heads if q else 0, dim, str(tok.device))
+    fused = _fused() if tok.is_cuda else None
+    if fused is not None:  # one launch instead of eight
+        x = fused.content_blocks(tok, pos, coeffs, dtype, _TURN, _Q_GAIN)
+        return x if nan is None else x.masked_fill_(nan, float("nan"))
+    a, p, c = coeffs
     ph = torch.addcmul(c, tok[None, :, None, None], a)
     ph.addcmul_(pos[None, :, None, None], p).remainder_(_M)
     x = ph.to(torch.float32).mul_(2 * math.pi / _M).sin_()
@@ -82,6 +89,12 @@ def _block_coeffs(kv_heads: int, q_heads: int, dim: int, device: str) -> tuple[t
         kinds.append(_coeffs(2, q_heads, dim, device))
     return tuple(torch.cat([k[i].reshape(-1, 1, kv_heads, dim) for k in kinds]).double()
                  for i in range(3))
+
+
+def _fused() -> Any:
+    from gpu_backend.oracle import FUSED, _refattn
+
+    return _refattn() if FUSED else None
 
 
 def mod_m(x: np.ndarray) -> np.ndarray:

@@ -39,6 +39,7 @@ memory, not stale plans.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -76,6 +77,7 @@ class FlashInferKernels:
         self.attn_timing = attn_timing
         self.attn_events: list[tuple[int, Events]] = []
         self.fence: dict[int, torch.cuda.Event] = {}  # id(wrapper) -> event after its last plan
+        self.wait_s = 0.0  # host seconds spent waiting on those events (device-bound time)
         self.masks: dict[tuple[int, int], torch.Tensor] = {}  # XQA spec masks by (rows, W)
         self.plan_cache: list[tuple[Any, Any]] = []
         self.plan_cache_device = 0
@@ -164,7 +166,9 @@ class FlashInferKernels:
         (module docstring); in steady state that copy is long done."""
         ev = self.fence.get(id(w))
         if ev is not None:
+            t0 = time.perf_counter()
             ev.synchronize()
+            self.wait_s += time.perf_counter() - t0
         w.plan(*args, **kw)
         ev = torch.cuda.Event()
         ev.record()

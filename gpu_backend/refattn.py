@@ -1,0 +1,159 @@
+"""The fp32 reference attention, the per-token errors and the K/V/Q content as Triton kernels
+(GPU only; `oracle.attend`, `oracle.token_errors` and `pool.content_blocks` elsewhere).
+
+Why: in torch the reference took ~20 calls and 0.65 ms of device time per benchmark step (QKᵀ
+and P·V as batched matmuls through an [R·H_kv, g·W, L] fp32 score tensor written and re-read,
+softmax, the hi/lo split), more than four times the kernels it checks. Here one program per
+(row, kv head, tile of queries) streams the row's truth K/V once (online softmax), so the
+device reads each K/V byte once and the host queues one launch.
+
+Precision is `oracle.attend`'s: Q·Kᵀ on the tensor cores from the bf16/fp16 values with fp32
+accumulation (every product exact in fp32), softmax in fp32, and P split into hi + lo halves of
+V's dtype for two P·V products (P keeps ~16 bits). The online rescaling adds fp32 rounding
+only (checked against fp64 on the H200: docs/gpu.md).
+
+Masking: query j of row r sees keys 0..limit[r, j], limit non-decreasing in j (causal rows);
+keys past the row's last limit are not visited at all (exp(-inf) is exactly 0, so skipping them
+changes nothing).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+
+@triton.jit
+def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
+                   so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)  # row * HKV + kv head
+    r = pid // HKV
+    h = pid % HKV
+    i = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # query = (group head gi, position w)
+    valid = i < G * W
+    w = i % W
+    head = h * G + i // W
+    d = tl.arange(0, D)
+    q = tl.load(Q + r * sq_r + w[:, None] * sq_w + head[:, None] * sq_h + d[None, :],
+                mask=valid[:, None], other=0.0)
+    lim = tl.load(LIMIT + r * sl_r + w, mask=valid, other=0)  # padding queries see key 0
+    base = KV + tl.load(SLOTS + r) * skv_s + h * skv_h
+    hi = tl.minimum(tl.load(LIMIT + r * sl_r + W - 1) + 1, L)  # limits grow with j: the row's last
+    # a finite start: a fully masked tile then gives alpha = 1, p = 0, not NaN
+    m = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    den = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    for n0 in range(0, hi, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        inside = (n < hi)[:, None]
+        k = tl.load(base + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(n[None, :] <= lim[:, None], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        m = m_new
+    o = acc / den[:, None]
+    tl.store(OUT + r * so_r + w[:, None] * so_w + head[:, None] * so_h + d[None, :], o,
+             mask=valid[:, None])
+
+
+def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Shapes and dtypes the kernel takes: power-of-two head_dim 16..256, bf16/fp16 K/V."""
+    d = int(q.shape[-1])
+    return (kv.dtype in (torch.bfloat16, torch.float16) and q.dtype == kv.dtype
+            and 16 <= d <= 256 and d & (d - 1) == 0 and kv.stride(-1) == 1)
+
+
+def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.Tensor,
+           L: int) -> torch.Tensor:
+    """fp32 attention of q [R, W, Hq, D] over the truth store kv [2, slots, H_kv, span, D]:
+    row r reads slot slots[r], keys 0..L-1, query j sees keys <= limit[r, j] (int64 [R, W]).
+    Returns [R, W, Hq, D] fp32 (`oracle.attend`'s result, one launch)."""
+    R, W, Hq, D = q.shape
+    hkv = int(kv.shape[2])
+    g = Hq // hkv
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    limit = limit if limit.stride(-1) == 1 else limit.contiguous()
+    out = torch.empty((R, W, Hq, D), dtype=torch.float32, device=q.device)
+    bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
+    grid = (R * hkv, triton.cdiv(g * W, bm))
+    _attend_kernel[grid](q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
+                         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+                         out.stride(0), out.stride(1), out.stride(2), limit.stride(0),
+                         W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=64,
+                         num_warps=4, num_stages=3)
+    return out
+
+
+@triton.jit
+def _token_err_kernel(OUT, REF, TOK, n, N, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    inside = i < N
+    row = t.to(tl.int64) * N  # a prompt step's nnz * Hq * D can pass 2^31
+    o = tl.load(OUT + row + i, mask=inside, other=0.0).to(tl.float32)
+    r = tl.load(REF + row + i, mask=inside, other=0.0)
+    d = tl.abs(o - r)
+    # torch's amax: NaN as soon as one element is NaN, else the max
+    err = tl.max(tl.where(d != d, 0.0, d), 0)
+    err = tl.where(tl.max((d != d).to(tl.int32), 0) > 0, float("nan"), err)
+    top = tl.max(tl.where(inside & (r == r), r, float("-inf")), 0)
+    top = tl.where(tl.max((r != r).to(tl.int32), 0) > 0, float("nan"), top)
+    tl.store(TOK + t, err)
+    tl.store(TOK + n + t, top)
+
+
+def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`oracle.token_errors` in one launch (one program per token): [2, nnz_q] fp32, max
+    |out - ref| and max ref per token, NaN where the token holds one."""
+    n = int(out.shape[0])
+    N = out[0].numel() if n else 0
+    tok = torch.empty((2, n), dtype=torch.float32, device=out.device)
+    if n:
+        _token_err_kernel[(n,)](out.contiguous(), ref.contiguous(), tok, n, N,
+                                BLOCK=triton.next_power_of_2(N), num_warps=4)
+    return tok
+
+
+@triton.jit
+def _content_kernel(TOK, POS, A, P, C, X, n, N, turn, gain_from,
+                    GAIN: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0)  # tokens on grid x: y and z stop at 65,535 (a prompt step has more)
+    blk = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    inside = i < N
+    a = tl.load(A + blk * N + i, mask=inside)
+    p = tl.load(P + blk * N + i, mask=inside)
+    c = tl.load(C + blk * N + i, mask=inside)
+    # float64 integer arithmetic, exact below 2^53 (pool.content_blocks): any order, fma or not,
+    # and fmod give the bits of torch's addcmul/remainder
+    ph = (c + tl.load(TOK + t) * a + tl.load(POS + t) * p) % 1000003.0
+    x = libdevice.sin(ph.to(tl.float32) * turn)  # __nv_sinf: CUDA's sinf, as torch's sin
+    if blk >= gain_from:
+        x = x * GAIN
+    tl.store(X + (blk * n + t).to(tl.int64) * N + i, x.to(X.dtype.element_ty), mask=inside)
+
+
+def content_blocks(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tensor, ...],
+                   dtype: torch.dtype, turn: float, gain: float) -> torch.Tensor:
+    """`pool.content_blocks` in one launch: coeffs (a, p, c) float64 [blocks, 1, H_kv, D];
+    returns [blocks, n, H_kv, D] in dtype (blocks >= 2 are Q, times gain)."""
+    a, p, c = coeffs
+    blocks, _, hkv, d = a.shape
+    n = int(tok.shape[0])
+    x = torch.empty((blocks, n, hkv, d), dtype=dtype, device=tok.device)
+    if n:
+        _content_kernel[(n, blocks)](tok, pos, a, p, c, x, n, hkv * d, turn, 2, GAIN=gain,
+                                     BLOCK=triton.next_power_of_2(hkv * d), num_warps=4)
+    return x

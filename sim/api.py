@@ -13,6 +13,7 @@ import pyarrow as pa
 
 from sim.check import StepChecker
 from sim.check.compiled import CompiledChecker
+from sim.check.compiled.records import feed_records
 from sim.check.registry import LAUNCH_ORDER
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
@@ -25,6 +26,8 @@ from sim.trace.writer import TraceWriter, to_arrow
 from sim.workload import RequestSpec, iter_workload
 
 __all__ = ["RunResult", "load_scenario", "parse_scenario", "run", "switches_for"]
+
+_CHECK_BATCH = 4096  # rows (+ steps) of reference-engine records per compiled-checker call
 
 
 def kvsim_version() -> str:
@@ -72,12 +75,19 @@ class _Sink:
         self.violations: list[Violation] = []
         self.peak_blocks = 0
         self.stream = StepStream()
+        self.pending: list[tuple[StepRecord, list[RowRecord], list[BlockEvent]]] = []
+        self.pending_rows = 0
 
     def __call__(self, step: StepRecord, rows: list[RowRecord], events: list[BlockEvent]) -> None:
         if self.writer is not None:
             self.writer.on_step(step, rows, events)
         if self.checker is not None:
             self._check(step, rows, events)
+        if self.compiled is not None:  # checked in batches of steps, one compiled call each
+            self.pending.append((step, rows, events))
+            self.pending_rows += len(rows) + 1
+            if self.pending_rows >= _CHECK_BATCH:
+                self.flush_records()
         self.peak_blocks = max(self.peak_blocks, step.blocks_used)
         if self.collect:
             self.steps.append(ROW_OF["steps"](step))
@@ -85,6 +95,11 @@ class _Sink:
             self.kv.append((step.t_launch_ns, step.blocks_used, spare, step.blocks_cached))
         if self.progress is not None and step.step % 2048 == 0:
             self.progress(step.step)
+
+    def flush_records(self) -> None:
+        if self.compiled is not None:
+            feed_records(self.compiled, self.pending)
+        self.pending, self.pending_rows = [], 0
 
     def on_chunk(self, ch: Chunk) -> None:
         """The fast engine's output: columns straight to the trace; records only for the
@@ -153,13 +168,16 @@ def _specs(sc: Scenario, base_dir: Path | None) -> Iterator[RequestSpec]:
                          base_dir=base_dir)
 
 
-def _worded(sc: Scenario, sw: Switches, model: dict, base_dir: Path | None,
+def _worded(sc: Scenario, sw: Switches, model: dict, base_dir: Path | None, fast: bool,
             found: list[tuple[str, int, int]]) -> list[Violation]:
     """The compiled checker found violations: run again (the same run: deterministic) through
     StepChecker, the oracle, for their messages. A run that violates nothing never gets here."""
     sink = _Sink(sc, None, StepChecker(model), None, collect=False)
-    FastEngine(sc, sw, _specs(sc, base_dir), sink.on_chunk, detail=True).run()
-    sink.finish_chunks()
+    if fast:
+        FastEngine(sc, sw, _specs(sc, base_dir), sink.on_chunk, detail=True).run()
+        sink.finish_chunks()
+    else:
+        Engine(sc, sw, _specs(sc, base_dir), sink, record_events=True, detail=True).run()
     assert sink.checker is not None
     out = sink.violations + sink.checker.finish()
     if [(v.invariant, v.step, v.request) for v in out] != found:
@@ -202,11 +220,9 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
     writer = None
     try:
         writer = TraceWriter(out) if out is not None else None
-        # the fast engine's chunks go to the compiled checker; the reference engine's records
-        # to StepChecker, which is also what words whatever the compiled one finds
-        compiled = CompiledChecker(model) if check and fast else None
-        checker = StepChecker(model) if check and not fast else None
-        sink = _Sink(sc, writer, checker, on_progress, collect, compiled)
+        # the compiled checker finds; StepChecker words what it finds (docs/checking.md)
+        compiled = CompiledChecker(model) if check else None
+        sink = _Sink(sc, writer, None, on_progress, collect, compiled)
         detail = writer is not None or check
         if fast:
             feng = FastEngine(sc, sw, specs, sink.on_chunk, detail)
@@ -214,16 +230,15 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
             sink.finish_chunks()
             raised = feng.violations
             state = (feng.totals, feng.step, feng.num_usable, feng.now)
-            if compiled is not None and (found := compiled.finish()):
-                sink.violations = _worded(sc, sw, model, base_dir, found)
         else:
             eng = Engine(sc, sw, specs, sink, record_events=detail, detail=detail)
             eng.proc.on_request = sink.on_request
             eng.run()
             raised = eng.proc.violations
             state = (eng.proc.totals, eng.step, eng.kv.pool.num_usable, int(eng.env.now))
-        if sink.checker is not None:
-            sink.violations.extend(sink.checker.finish())
+        sink.flush_records()
+        if compiled is not None and (found := compiled.finish()):
+            sink.violations = _worded(sc, sw, model, base_dir, fast, found)
         violations = sorted(raised + sink.violations, key=_order)
         summary = _summary(*state, sink, violations)
         summary["engine"] = "fast" if fast else "reference"

@@ -18,6 +18,9 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   fences, `FlashInferKernels.wait_s`): near 0 means the host is the bottleneck, near the wall
   minus the host's own queueing time means the device is.
 - --profile: a cProfile of one more, untimed pass (host time by function).
+- --before B.json: the same command's result for the code before a change, run in the same
+  call on the same machine (host speed differs a lot between lent machines), kept under
+  "before"; --note: a line of context kept under "note".
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ def profile_pass(trace: TraceData) -> None:
     replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
     torch.cuda.synchronize()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(45)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
 
 
 def main() -> None:
@@ -84,6 +87,9 @@ def main() -> None:
                     help="cProfile one more, untimed pass (host time)")
     ap.add_argument("--commit", default="",
                     help="commit to record (default: git rev-parse; the device copy has no .git)")
+    ap.add_argument("--before", type=Path, help="this bench's JSON for the code before a change, "
+                    "same call and machine")
+    ap.add_argument("--note", default="", help="context to keep in the JSON")
     a = ap.parse_args()
     trace = load_trace(a.trace)
     first, last = trace.steps[1].step, trace.steps[-1].step
@@ -111,9 +117,23 @@ def main() -> None:
                        "same_verdicts": [r.verdict for r in res.rows] ==
                        [r.verdict for r in res2.rows]},
             "kernel_ms_min_max": [min(ms), max(ms)]}
+    if a.before:
+        out["before"] = _before(json.loads(a.before.read_text()))
+    if a.note:
+        out["note"] = a.note
     print(json.dumps(out, indent=1))
     if a.json:
         a.json.write_text(json.dumps(out, indent=1))
+
+
+def _before(b: dict[str, Any]) -> dict[str, Any]:
+    return {"commit": b.get("commit"), "same_machine_and_call": True,
+            "wall_ms_per_step": b["wall_ms_per_step"],
+            "repeat_wall_ms_per_step": b["repeat"]["wall_ms_per_step"],
+            "host_wait_ms_per_step": b.get("host_wait_ms_per_step"),
+            "kernel_ms_per_step": b["kernel_ms_per_step"], "ratio": b["ratio"],
+            "repeat_ratio": b["repeat"]["ratio"], "counts": b["counts"],
+            "max_ok_err": b["max_ok_err"]}
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Per step k:
   3. kernels: append at the engine's positions through the engine's table, then attention with
      the engine's metadata (backend-specific: FlashInfer on the GPU, access model on the CPU);
   4. checksum pages, fp32 reference over the truth, per-token errors (kept on the device);
-  5. poison the slots of rejected drafts (the rewind).
+  5. the slots of rejected drafts (the rewind) become poison: applied at the start of the next
+     step, with its block events (one launch on the GPU; nothing reads the pool in between).
 
 Everything that depends on the trace alone is built ahead on the host (`prepare`) and uploaded a
 chunk of steps at a time, so a step only queues device work: no numpy, no host-device syncs. The
@@ -39,7 +40,7 @@ from gpu_backend.oracle import (
     token_errors,
     verdicts,
 )
-from gpu_backend.pool import KVPool, content_blocks, torch_dtype
+from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.tracedata import TraceData
 from sim.trace.records import RowRecord
@@ -141,11 +142,7 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
         if on_step:
             on_step(p.step.step, "start")
         _apply_events(pool, p, before)
-        after, pend = _one_step(pool, truth, kernels, p, before, skip or {}, m.num_q_heads)
-        if p.rewind:  # rejected drafts' slots become poison; only their pages' sums move
-            pool.poison_rows(p.dv["rej_rows"])
-            after.index_copy_(0, p.dv["rej_pages"], pool.checksum(p.dv["rej_pages"]))
-        before = after
+        before, pend = _one_step(pool, truth, kernels, p, before, skip or {}, m.num_q_heads)
         pending.append(pend)
         if len(pending) >= FLUSH:
             _flush(res, pending)
@@ -170,49 +167,58 @@ class Pending:
 
 
 def _apply_events(pool: KVPool, p: Prepared, before: torch.Tensor) -> None:
+    """The last step's rewind and this step's block events (`prepare._pool_ops`)."""
     for kind, a, b, n in p.ops:
         if kind == "nan":
-            pool.poison_pages(p.dv[f"ev{a}"])
+            pool.poison_rows(p.dv[f"ev{a}"])
         else:
             pool.copy_slots(a, b, n)
     if p.touched:  # only the touched pages' sums moved since the last step's checksum
-        t = p.dv["touched"]
-        before.index_copy_(0, t, pool.checksum(t))
+        pool.resum(before, p.dv["touched"])
 
 
 def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,
               before: torch.Tensor, skip: dict[int, str], hq: int
               ) -> tuple[torch.Tensor, Pending]:
     dv, b = p.dv, p.b
-    dt, hkv, d = pool.data.dtype, int(pool.data.shape[3]), int(pool.data.shape[4])
-    if p.fill:  # new requests' prefixes, at their true positions 0..committed-1
-        fill = content_blocks(dv["fill_tok_m@f64"], dv["fill_pos_m@f64"], hkv, hq, d, dt, False)
-        truth.write(dv["fill_slot"], dv["fill_pos"], fill)
-    # engine K, V of every append and Q of every query, at the engine's RoPE positions
-    eng = content_blocks(dv["app_tok_m@f64"], dv["app_pos_m@f64"], hkv, hq, d, dt,
-                         nan=dv["eng_nan@b"] if p.engine_nan else None)
-    eq = eng[2:] if p.q_identity else eng[2:, dv["q2a"]]
-    if p.truth_same:  # the engine's positions are the truth's: one content pass serves both
-        tkv, tq = (eng[:2] if p.q_identity else eng[:2, dv["q2a"]]), None
-    else:
-        tr = content_blocks(dv["tok_m@f64"], dv["true_pos_m@f64"], hkv, hq, d, dt)
-        tkv, tq = tr[:2], tr[2:]
-    truth.write(dv["tslot"], dv["true_pos"], tkv)
+    kv, q, tq = _content(pool, truth, p, hq)
     if b.step in skip:
         return pool.checksum(), Pending(p, None, None, skip[b.step])
-    q = _heads(eq)
     try:
-        out = kernels.run_step(pool, b, p.rows, dv, eng[0], eng[1], q)
+        out = kernels.run_step(pool, b, p.rows, dv, kv[0], kv[1], q)
     except KernelFault as e:
         return pool.checksum(), Pending(p, None, None, str(e))
-    ref = reference(truth, dv, p.groups, q if tq is None else _heads(tq))
-    after = pool.checksum()
-    return after, Pending(p, token_errors(out, ref), after != before)
+    ref = reference(truth, dv, p.groups, q if tq is None else tq)
+    after, changed = pool.sums_and_changes(before)
+    return after, Pending(p, token_errors(out, ref), changed)
 
 
-def _heads(x: torch.Tensor) -> torch.Tensor:
-    """content_blocks' Q blocks [G, n, H_kv, D] -> [n, G * H_kv, D] (head = block * H_kv + h)."""
-    return x.permute(1, 0, 2, 3).reshape(x.shape[1], -1, x.shape[3])
+def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Engine K/V [2, nnz_a, H_kv, D] of every append and Q [nnz_q, Hq, D] of every query at
+    the engine's RoPE positions, and the truth (K/V written into the store; Q returned when it
+    differs from the engine's). Usually one content launch does all of it."""
+    dv = p.dv
+    dt, hkv, d = pool.data.dtype, int(pool.data.shape[3]), int(pool.data.shape[4])
+    if p.fill:  # new requests' prefixes, at their true positions 0..committed-1
+        content_kv_q(dv["fill_tok_m@f64"], dv["fill_pos_m@f64"], hkv, hq, d, dt, False,
+                     truth=(truth.kv, dv["fill_slot"], dv["fill_pos"]))
+    # the engine's positions are the truth's and the queries are the appends: one pass
+    direct = p.truth_same and p.q_identity
+    tw = (truth.kv, dv["tslot"], dv["true_pos"])
+    kv, q = content_kv_q(dv["app_tok_m@f64"], dv["app_pos_m@f64"], hkv, hq, d, dt,
+                         nan=dv["eng_nan@b"] if p.engine_nan else None,
+                         truth=tw if direct else None)
+    assert q is not None
+    if not p.q_identity:
+        q = q[dv["q2a"]]
+    if direct:
+        return kv, q, None
+    if p.truth_same:
+        truth.write(dv["tslot"], dv["true_pos"], kv[:, dv["q2a"]])
+        return kv, q, None
+    _, tq = content_kv_q(dv["tok_m@f64"], dv["true_pos_m@f64"], hkv, hq, d, dt, truth=tw)
+    return kv, q, tq
 
 
 def _flush(res: ReplayResult, pending: list[Pending]) -> None:

@@ -16,9 +16,9 @@ PoolOp = tuple[str, int, int, int]
 def event_ops(trace: TraceData, step: int, guard: int, refcount: dict[int, int],
               flight: InFlight, arrays: dict[str, np.ndarray]) -> tuple[list[PoolOp], list[int]]:
     """The block events after launch step-1 and before launch step, then the in-flight poison,
-    as pool operations in order: runs of poisoned pages (array `ev{i}` in `arrays`, one
-    index_fill each) and slot copies. Returns (ops, pool indices touched); keeps `refcount`
-    (block -> holders, from the events) current.
+    as pool operations in order: runs of poisoned pages (array `ev{i}` in `arrays`; prepare
+    turns them into pool rows) and slot copies. Returns (ops, pool indices touched); keeps
+    `refcount` (block -> holders, from the events) current.
 
     alloc/evict hand a block to a new owner: its old content is garbage to it, so it is poisoned.
     free keeps content (a cached block may be reused), except the frees whose `seq` is a double

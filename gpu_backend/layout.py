@@ -61,6 +61,8 @@ class StepBatch:
     xqa_indptr: np.ndarray  # [R+1]
     xqa_indices: np.ndarray  # pool indices
     xqa_last_page_len: np.ndarray  # [R]
+    # `launch_runs`, built with the step (the replay asks for it every step: host time)
+    runs: tuple[tuple[int, int, str], ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -194,14 +196,19 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
         allowed_pages=allowed, engine_write=eng, write_ok=write_ok,
         xqa_indptr=xp.astype(I32), xqa_indices=(xi + guard).astype(I32),
         xqa_last_page_len=xl.astype(I32),
-        reject_page=rej_p, reject_slot=rej_s)
+        reject_page=rej_p, reject_slot=rej_s,
+        runs=tuple(_runs([r.phase == "ctx" for r in rows], q_len.tolist())))
 
 
 def launch_runs(b: StepBatch) -> list[tuple[int, int, str]]:
     """Maximal runs [s, e) of rows one kernel launches: 'decode' (gen, q_len 1) | 'verify' |
     'ctx'. Both backends split a step the same way."""
+    return list(b.runs) if b.runs else _runs(b.is_ctx.tolist(), b.q_len.tolist())
+
+
+def _runs(is_ctx: list[bool], q_len: list[int]) -> list[tuple[int, int, str]]:
     kind = ["ctx" if c else ("decode" if q == 1 else "verify")
-            for c, q in zip(b.is_ctx.tolist(), b.q_len.tolist(), strict=True)]
+            for c, q in zip(is_ctx, q_len, strict=True)]
     out: list[tuple[int, int, str]] = []
     for i, k in enumerate(kind):
         if out and out[-1][2] == k:

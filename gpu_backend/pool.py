@@ -67,8 +67,10 @@ def content_blocks(tok: torch.Tensor, pos: torch.Tensor, kv_heads: int, q_heads:
     nan: bool [blocks, n, 1, 1], elements to set NaN (the engine's RoPE table overrun)."""
     coeffs = _block_coeffs(kv_heads, q_heads if q else 0, dim, str(tok.device))
     fused = _fused() if tok.is_cuda else None
-    if fused is not None:  # one launch instead of eight
-        x = fused.content_blocks(tok, pos, coeffs, dtype, _TURN, _Q_GAIN)
+    if fused is not None:  # one launch; Q comes in the kernels' layout: back to blocks
+        kv, qh = fused.content_kv_q(tok, pos, coeffs, dtype, _TURN, _Q_GAIN)
+        x = kv if qh is None else torch.cat(
+            [kv, qh.view(qh.shape[0], -1, kv_heads, dim).permute(1, 0, 2, 3)])
         return x if nan is None else x.masked_fill_(nan, float("nan"))
     a, p, c = coeffs
     ph = torch.addcmul(c, tok[None, :, None, None], a)
@@ -79,6 +81,27 @@ def content_blocks(tok: torch.Tensor, pos: torch.Tensor, kv_heads: int, q_heads:
     if nan is not None:
         x.masked_fill_(nan, float("nan"))
     return x.to(dtype)
+
+
+def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, kv_heads: int, q_heads: int, dim: int,
+                 dtype: torch.dtype, q: bool = True, nan: torch.Tensor | None = None,
+                 truth: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`content_blocks` as the replay uses it: (K/V [2, n, kv_heads, dim], Q [n, q_heads, dim]
+    or None), Q already in the kernels' head order (head = block * kv_heads + h). truth =
+    (store [2, slots, kv_heads, span, dim], slot [n], position [n]): K/V also written there
+    (truth[0][c, slot[t], :, position[t]] = K/V of token t). On the GPU all of it is one launch
+    (no Q copy, no index_put for the truth); the values are the same bits either way."""
+    fused = _fused() if tok.is_cuda else None
+    if fused is not None and nan is None:
+        coeffs = _block_coeffs(kv_heads, q_heads if q else 0, dim, str(tok.device))
+        return fused.content_kv_q(tok, pos, coeffs, dtype, _TURN, _Q_GAIN, truth)
+    x = content_blocks(tok, pos, kv_heads, q_heads, dim, dtype, q, nan)
+    if truth is not None:
+        store, slot, tpos = truth
+        store[:, slot, :, tpos] = x[:2].permute(1, 0, 2, 3)
+    qh = x[2:].permute(1, 0, 2, 3).reshape(x.shape[1], -1, dim) if q else None
+    return x[:2], qh
 
 
 @functools.lru_cache(maxsize=32)
@@ -120,6 +143,10 @@ class KVPool:
         self.guard, self.num_pages, self.page_size = guard, num_pages, page_size
         shape = (num_pages + 2 * guard, 2, page_size, kv_heads, head_dim)
         self.data = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        # the same memory as raw 64-bit words per page (checksums) and as rows of H_kv * D
+        # elements, one per (page, K|V, slot) (`slot_rows` numbers them; poison)
+        self.words = self.data.view(shape[0], -1).view(torch.int64)
+        self.rows = self.data.view(-1, kv_heads * head_dim)
 
     @property
     def total(self) -> int:
@@ -128,15 +155,25 @@ class KVPool:
     def index(self, page_id: int) -> int:
         return page_id + self.guard
 
-    def poison_pages(self, idx: torch.Tensor) -> None:
-        # index_fill_ takes the scalar as a kernel argument; `data[idx] = nan` would copy a CPU
-        # scalar tensor to the device, a stream synchronization per call
-        self.data.index_fill_(0, idx, float("nan"))
-
     def poison_rows(self, rows: torch.Tensor) -> None:
         """Poison (page, K|V, slot) rows of the pool seen as [pages * 2 * B, H_kv * D]
-        (`slot_rows` numbers them): the slots of rejected drafts."""
-        self.data.view(-1, self.data[0, 0, 0].numel()).index_fill_(0, rows, float("nan"))
+        (`slot_rows` numbers them; a whole page is its 2 * B rows): new pages, rejected drafts.
+        index_fill_ takes the scalar as a kernel argument (`data[idx] = nan` would copy a CPU
+        scalar tensor to the device: a stream sync); 7 µs of host on the H200 (poolk's note)."""
+        self.rows.index_fill_(0, rows, float("nan"))
+
+    def resum(self, sums: torch.Tensor, idx: torch.Tensor) -> None:
+        """sums[idx] = checksum(idx): the pages an operation between steps touched."""
+        fused = _fused() if idx.is_cuda else None
+        if fused is not None:
+            fused.resum(self.words, sums, idx)
+        else:
+            sums.index_copy_(0, idx, self.checksum(idx))
+
+    def sums_and_changes(self, before: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(checksum(), checksum() != before): the pool after a step's kernels."""
+        after = self.checksum()
+        return after, after != before
 
     def copy_slots(self, dst: int, src: int, n: int) -> None:
         self.data[dst, :, :n] = self.data[src, :, :n]
@@ -147,8 +184,8 @@ class KVPool:
         different bits changes the sum unless it cancels exactly, which deterministic content
         never does. int64 words, not int32 words summed into int64: the promoting reduction ran
         at 0.73 ms over the benchmark's 556 MB pool on the H200, this one at 0.13 ms."""
-        data = self.data if idx is None else self.data.index_select(0, idx)
-        return data.view(data.shape[0], -1).view(torch.int64).sum(dim=1)
+        words = self.words if idx is None else self.words.index_select(0, idx)
+        return words.sum(dim=1)
 
     def slot_rows(self, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Row numbers of (page, K and V, slot) in `poison_rows`'s view."""

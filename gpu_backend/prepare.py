@@ -54,13 +54,12 @@ class Prepared:
     rows: list[RowRecord]
     b: StepBatch
     dv: StepArrays
-    ops: list[PoolOp]  # the block events (events.event_ops)
-    touched: bool  # the events changed pages: re-sum `touched`
+    ops: list[PoolOp]  # the last step's rewind, then the block events (`_pool_ops`)
+    touched: bool  # pages changed since the last step's checksum: re-sum `touched`
     fill: bool  # new requests' prefixes go into the truth store (fill_*)
     engine_nan: bool  # some engine K/Q is past the RoPE table (eng_nan)
     truth_same: bool  # truth K/V/Q of the queries == the engine's (one content pass)
     q_identity: bool  # the queries are the appends (no device-ahead extras)
-    rewind: bool  # rejected drafts to poison (rej_rows, rej_pages)
     groups: list[RefGroup]
 
 
@@ -75,6 +74,8 @@ class HostState:
     free: list[int] = field(default_factory=list)
     last: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    # the last prepared step's rewind (pool rows, pages): applied before the next step's events
+    rewind: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
@@ -123,6 +124,7 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
              chunk: Chunk) -> Prepared:
     arrays: dict[str, np.ndarray] = {}
     ops, touched = event_ops(st.trace, s.step, st.guard, st.refcount, flight, arrays)
+    ops, touched = _pool_ops(st, ops, touched, arrays)
     shared = np.array([blk for blk, n in st.refcount.items() if n > 1], dtype=np.int64)
     b = build_step(s, rows, st.trace.model.page_size, st.guard, shared)
     slots, fill = _admit(st, b, arrays)
@@ -131,16 +133,39 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
         arrays["touched"] = np.unique(touched)
     eng_nan, same = _content_arrays(st, b, arrays)
     groups = _ref_groups(b, slots, arrays)
-    rej = np.unique(b.reject_page)
-    if rej.size:
+    st.rewind = None
+    if b.reject_page.size:
         pz = st.trace.model.page_size
         base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
-        arrays |= {"rej_rows": np.concatenate([base, base + pz]), "rej_pages": rej}
+        st.rewind = (np.concatenate([base, base + pz]), np.unique(b.reject_page))
     for req in b.requests.tolist():  # release: the slot is free for the next step's admissions
         if st.last.get(req) == b.step and req in st.slot:
             st.free.append(st.slot.pop(req))
     return Prepared(s, rows, b, stage(chunk, arrays), ops, bool(touched), fill, eng_nan, same,
-                    b.num_tokens == len(b.app_tokens), bool(rej.size), groups)
+                    b.num_tokens == len(b.app_tokens), groups)
+
+
+def _pool_ops(st: HostState, ops: list[PoolOp], touched: list[int],
+              arrays: dict[str, np.ndarray]) -> tuple[list[PoolOp], list[int]]:
+    """The pool operations before this step's kernels, in order: the last step's rewind (its
+    rejected drafts' slots become poison: nothing reads the pool in between, and that step's
+    checksums were taken before it), then the block events. Poisoned pages become their pool
+    rows (`KVPool.poison_rows`), and the rewind joins the first run of poisoned pages, so a step
+    usually poisons in one launch. Returns (ops, pages touched)."""
+    rows = 2 * st.trace.model.page_size
+    for kind, a, _, _ in ops:
+        if kind == "nan":
+            pages = arrays[f"ev{a}"]
+            arrays[f"ev{a}"] = (pages[:, None] * rows + np.arange(rows)).ravel()
+    if st.rewind is None:
+        return ops, touched
+    rej_rows, rej_pages = st.rewind
+    touched = touched + rej_pages.tolist()
+    if ops and ops[0][0] == "nan":
+        arrays[f"ev{ops[0][1]}"] = np.concatenate([rej_rows, arrays[f"ev{ops[0][1]}"]])
+        return ops, touched
+    arrays["ev-1"] = rej_rows
+    return [("nan", -1, 0, 0), *ops], touched
 
 
 def _admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:

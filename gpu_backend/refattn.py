@@ -1,5 +1,7 @@
 """The fp32 reference attention, the per-token errors and the K/V/Q content as Triton kernels
-(GPU only; `oracle.attend`, `oracle.token_errors` and `pool.content_blocks` elsewhere).
+(GPU only; `oracle.attend`, `oracle.token_errors` and `pool.content_kv_q` elsewhere). The
+content launch also writes the truth K/V and lays Q out as the kernels take it (round 3: no
+index_put, no permute copy). Launches go through `tlaunch.Launcher` (less host time per call).
 
 Why: in torch the reference took ~20 calls and 0.65 ms of device time per benchmark step (QKᵀ
 and P·V as batched matmuls through an [R·H_kv, g·W, L] fp32 score tensor written and re-read,
@@ -25,6 +27,9 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from gpu_backend.poolk import resum  # noqa: F401  (pool reaches the kernels through here)
+from gpu_backend.tlaunch import Launcher
 
 
 @triton.jit
@@ -88,11 +93,10 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
     out = torch.empty((R, W, Hq, D), dtype=torch.float32, device=q.device)
     bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
     grid = (R * hkv, triton.cdiv(g * W, bm))
-    _attend_kernel[grid](q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
-                         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-                         out.stride(0), out.stride(1), out.stride(2), limit.stride(0),
-                         W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=64,
-                         num_warps=4, num_stages=3)
+    _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
+            out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
+            BLOCK_N=64)
     return out
 
 
@@ -121,14 +125,15 @@ def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     N = out[0].numel() if n else 0
     tok = torch.empty((2, n), dtype=torch.float32, device=out.device)
     if n:
-        _token_err_kernel[(n,)](out.contiguous(), ref.contiguous(), tok, n, N,
-                                BLOCK=triton.next_power_of_2(N), num_warps=4)
+        _token_err((n,), out.contiguous(), ref.contiguous(), tok, n, N,
+                   BLOCK=triton.next_power_of_2(N))
     return tok
 
 
 @triton.jit
-def _content_kernel(TOK, POS, A, P, C, X, n, N, turn, gain_from,
-                    GAIN: tl.constexpr, BLOCK: tl.constexpr):
+def _content_kernel(TOK, POS, A, P, C, KV, QO, TR, SLOT, TPOS, n, N, turn, st_c, st_s, st_h,
+                    st_l, GAIN: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
+                    TRUTH: tl.constexpr):
     t = tl.program_id(0)  # tokens on grid x: y and z stop at 65,535 (a prompt step has more)
     blk = tl.program_id(1)
     i = tl.arange(0, BLOCK)
@@ -140,20 +145,40 @@ def _content_kernel(TOK, POS, A, P, C, X, n, N, turn, gain_from,
     # and fmod give the bits of torch's addcmul/remainder
     ph = (c + tl.load(TOK + t) * a + tl.load(POS + t) * p) % 1000003.0
     x = libdevice.sin(ph.to(tl.float32) * turn)  # __nv_sinf: CUDA's sinf, as torch's sin
-    if blk >= gain_from:
-        x = x * GAIN
-    tl.store(X + (blk * n + t).to(tl.int64) * N + i, x.to(X.dtype.element_ty), mask=inside)
+    t64 = t.to(tl.int64)
+    if blk >= 2:  # Q, in the kernels' [n, heads, D] layout (head = (blk - 2) * H_kv + h)
+        tl.store(QO + (t64 * (tl.num_programs(1) - 2) + blk - 2) * N + i,
+                 (x * GAIN).to(QO.dtype.element_ty), mask=inside)
+    else:  # K, V: [2, n, H_kv, D]
+        tl.store(KV + (blk * n + t64) * N + i, x.to(KV.dtype.element_ty), mask=inside)
+        if TRUTH:  # and into the truth store at (slot, true position): [2, slots, H_kv, span, D]
+            at = blk * st_c + tl.load(SLOT + t) * st_s + tl.load(TPOS + t) * st_l
+            tl.store(TR + at + (i // D) * st_h + i % D, x.to(TR.dtype.element_ty), mask=inside)
 
 
-def content_blocks(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tensor, ...],
-                   dtype: torch.dtype, turn: float, gain: float) -> torch.Tensor:
-    """`pool.content_blocks` in one launch: coeffs (a, p, c) float64 [blocks, 1, H_kv, D];
-    returns [blocks, n, H_kv, D] in dtype (blocks >= 2 are Q, times gain)."""
+def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tensor, ...],
+                 dtype: torch.dtype, turn: float, gain: float,
+                 truth: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`pool.content_kv_q` in one launch: coeffs (a, p, c) float64 [blocks, 1, H_kv, D].
+    Returns K/V [2, n, H_kv, D] and Q [n, (blocks - 2) * H_kv, D] (None when blocks == 2) in
+    dtype; truth = (store [2, slots, H_kv, span, D], slot [n], position [n]): K/V written there
+    too, in the same launch."""
     a, p, c = coeffs
     blocks, _, hkv, d = a.shape
     n = int(tok.shape[0])
-    x = torch.empty((blocks, n, hkv, d), dtype=dtype, device=tok.device)
+    kv = torch.empty((2, n, hkv, d), dtype=dtype, device=tok.device)
+    q = torch.empty((n, (blocks - 2) * hkv, d), dtype=dtype, device=tok.device) \
+        if blocks > 2 else None
     if n:
-        _content_kernel[(n, blocks)](tok, pos, a, p, c, x, n, hkv * d, turn, 2, GAIN=gain,
-                                     BLOCK=triton.next_power_of_2(hkv * d), num_warps=4)
-    return x
+        tr, slot, tpos = truth if truth is not None else (kv, tok, tok)
+        _content((n, blocks), tok, pos, a, p, c, kv, kv if q is None else q, tr, slot, tpos,
+                 n, hkv * d, turn, tr.stride(0), tr.stride(1), tr.stride(2),
+                 tr.stride(3) if tr.dim() > 3 else 0, GAIN=gain,
+                 BLOCK=triton.next_power_of_2(hkv * d), D=d, TRUTH=truth is not None)
+    return kv, q
+
+
+_attend = Launcher(_attend_kernel, num_warps=4, num_stages=3)
+_token_err = Launcher(_token_err_kernel, num_warps=4)
+_content = Launcher(_content_kernel, num_warps=4)

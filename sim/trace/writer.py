@@ -36,6 +36,12 @@ _GROUP_BYTES = 32 << 20  # ... or this many bytes, whichever comes first
 _FLUSH = 1 << 13  # rows per record batch: bounds the buffered Python tuples
 
 
+def _stat_columns(schema: pa.Schema) -> list[str]:
+    """Min/max statistics for scalar columns (a reader filtering on step or request skips row
+    groups with them); none for list columns: ~10% of their encoding time, no use to readers."""
+    return [f.name for f in schema if not pa.types.is_list(f.type)]
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -67,7 +73,8 @@ class TraceWriter:
         remove_stale(self.out)
         self.tmp.mkdir(parents=True)
         self.writers = {n: pq.ParquetWriter(self.tmp / f"{n}.parquet", SCHEMAS[n],
-                                            compression="zstd", use_dictionary=False)
+                                            compression="zstd", use_dictionary=False,
+                                            write_statistics=_stat_columns(SCHEMAS[n]))
                         for n in TABLES}
         self.buf: dict[str, list[tuple]] = {n: [] for n in TABLES}
         self.counts = dict.fromkeys(TABLES, 0)

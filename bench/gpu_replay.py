@@ -17,7 +17,11 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - host_wait_ms_per_step: of the wall, the time the host waited for the device (the plan
   fences, `FlashInferKernels.wait_s`): near 0 means the host is the bottleneck, near the wall
   minus the host's own queueing time means the device is.
-- --profile: a cProfile of one more, untimed pass (host time by function).
+- --profile: a cProfile of one more pass, enabled for the generation steps only (host time by
+  function; the prompt step and the preparation ahead of it are left out).
+- --phases: one more pass with perf_counter_ns around each phase of the generation steps
+  (events, content, append, plan, run, reference, errors, checksums, the loop between steps):
+  host µs per step, inclusive (`phases_us_per_step`). The timers cost ~1 µs a phase.
 - --before B.json: the same command's result for the code before a change, run in the same
   call on the same machine (host speed differs a lot between lent machines), kept under
   "before"; --note: a line of context kept under "note".
@@ -69,14 +73,100 @@ def kernel_pass(trace: TraceData) -> list[float]:
     return k.kernel_ms()[1:]
 
 
-def profile_pass(trace: TraceData) -> None:
+def profile_pass(trace: TraceData, first: int, last: int) -> None:
+    """cProfile of the generation steps only (from `first`'s start to `last`'s end)."""
     prof = cProfile.Profile()
-    prof.enable()
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
+
+    def on_step(step: int, what: str) -> None:
+        if (step, what) == (first, "start"):
+            prof.enable()
+        elif (step, what) == (last, "done"):
+            prof.disable()
+
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step)
     torch.cuda.synchronize()
-    prof.disable()
     pstats.Stats(prof).sort_stats("tottime").print_stats(45)
-    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
+
+
+# (module or class, attribute, phase name): the step's phases, each timed inclusive
+_PHASES = [
+    ("gpu_backend.driver", "_apply_events", "events (poison, copies, resum)"),
+    ("gpu_backend.driver", "_content", "content (K/V/Q, truth)"),
+    ("gpu_backend.replay:FlashInferKernels", "run_step", "run_step (all FlashInfer)"),
+    ("flashinfer", "append_paged_kv_cache", "  append"),
+    ("gpu_backend.replay:FlashInferKernels", "_plan", "  _plan (fence + plan)"),
+    ("flashinfer:BatchPrefillWithPagedKVCacheWrapper", "plan", "    prefill plan()"),
+    ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "plan", "    decode plan()"),
+    ("flashinfer:BatchPrefillWithPagedKVCacheWrapper", "run", "  prefill run()"),
+    ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "run", "  decode run()"),
+    ("gpu_backend.driver", "reference", "reference"),
+    ("gpu_backend.driver", "token_errors", "token_errors"),
+    ("gpu_backend.pool:KVPool", "sums_and_changes", "checksums"),
+]
+
+
+def phases_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
+    """Host µs per generation step in each phase (inclusive), by perf_counter_ns wrappers."""
+    import functools
+    import importlib
+
+    tot: dict[str, int] = {}
+    on = [False]
+    saved = []
+
+    def wrap(fn: Any, name: str) -> Any:
+        @functools.wraps(fn)
+        def w(*a: Any, **kw: Any) -> Any:
+            if not on[0]:
+                return fn(*a, **kw)
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                tot[name] = tot.get(name, 0) + time.perf_counter_ns() - t0
+        return w
+
+    for where, attr, name in _PHASES:
+        mod, _, cls = where.partition(":")
+        try:
+            obj = importlib.import_module(mod)
+            obj = getattr(obj, cls) if cls else obj
+            fn = getattr(obj, attr)
+        except (ImportError, AttributeError):
+            continue
+        saved.append((obj, attr, obj.__dict__[attr] if attr in obj.__dict__ else fn))
+        setattr(obj, attr, wrap(fn, name))
+    marks: dict[str, int] = {}
+
+    def on_step(step: int, what: str) -> None:
+        t = time.perf_counter_ns()
+        if (step, what) == (first, "start"):
+            torch.cuda.synchronize()
+            on[0] = True
+            marks["t0"] = marks["prev"] = time.perf_counter_ns()
+            return
+        if not on[0]:
+            return
+        key = "step body (start..done)" if what == "done" else "between steps (loop, flush)"
+        tot[key] = tot.get(key, 0) + t - marks["prev"]
+        marks["prev"] = time.perf_counter_ns()
+        if (step, what) == (last, "done"):
+            on[0] = False
+            torch.cuda.synchronize()
+            tot["wall incl. final sync"] = time.perf_counter_ns() - marks["t0"]
+
+    try:
+        replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda",
+               on_step=on_step)
+    finally:
+        for obj, attr, fn in saved:
+            setattr(obj, attr, fn)
+    n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
+    out = {k: v / 1e3 / n for k, v in tot.items()}
+    for k, v in out.items():
+        print(f"phase {k:40s} {v:9.1f} us/step")
+    return out
 
 
 def main() -> None:
@@ -85,6 +175,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true",
                     help="cProfile one more, untimed pass (host time)")
+    ap.add_argument("--phases", action="store_true",
+                    help="one more pass: host µs per generation step by phase")
     ap.add_argument("--commit", default="",
                     help="commit to record (default: git rev-parse; the device copy has no .git)")
     ap.add_argument("--before", type=Path, help="this bench's JSON for the code before a change, "
@@ -97,8 +189,9 @@ def main() -> None:
     wall, wait, res = wall_pass(trace, first, last)
     wall2, wait2, res2 = wall_pass(trace, first, last)
     ms = kernel_pass(trace)
+    phases = phases_pass(trace, first, last) if a.phases else None
     if a.profile:
-        profile_pass(trace)
+        profile_pass(trace, first, last)
     kern = sum(ms) / len(ms)
     prep = res.prepare_s * 1e3 / max(len({r.step for r in res.rows}), 1)  # all steps
     rows = [r for r in res.rows if r.step >= first]
@@ -117,6 +210,8 @@ def main() -> None:
                        "same_verdicts": [r.verdict for r in res.rows] ==
                        [r.verdict for r in res2.rows]},
             "kernel_ms_min_max": [min(ms), max(ms)]}
+    if phases is not None:
+        out["phases_us_per_step"] = phases
     if a.before:
         out["before"] = _before(json.loads(a.before.read_text()))
     if a.note:

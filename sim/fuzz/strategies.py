@@ -129,3 +129,24 @@ def _scheduler(draw: st.DrawFn, b: int) -> dict[str, Any]:
     if draw(st.booleans()):
         out["max_batch_size"] = draw(st.integers(1, 4))
     return out
+
+
+@st.composite
+def fast_scenario_dicts(draw: st.DrawFn, max_requests: int = 4) -> dict[str, Any]:
+    """scenario_dicts moved into the fast engine's subset (no MTP, overlap or reuse), under a
+    random profile with random engine switches, faulty ones included: what tests hold the fast
+    engine and the compiled checker to their oracles with."""
+    d = draw(scenario_dicts(max_requests=max_requests))
+    d.update(spec={"mode": "none"}, overlap={"enabled": False},
+             profile=draw(st.sampled_from(("vllm-v1", "trtllm-post-17264", "trtllm-pre-17264"))))
+    d["cache"]["reuse"] = "off"
+    d["switches"] = {
+        "backend": draw(st.sampled_from(("fa2", "fa3", "xqa"))),
+        "gen_table_width": draw(st.sampled_from(("reserved", "logical-host", "logical-device"))),
+        "plan_key": draw(st.sampled_from(("fresh", "no-width", "per-batch"))),
+        "null_block": draw(st.booleans()),
+        "draft_clamp": draw(st.booleans()),
+    }
+    if draw(st.booleans()):  # token budgets small enough to split prefill and defer rows
+        d["scheduler"]["max_num_tokens"] = draw(st.integers(1, 64))
+    return d

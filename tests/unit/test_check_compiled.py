@@ -26,7 +26,7 @@ from sim.check.offline import check_trace
 from sim.config import Scenario
 from sim.errors import ProfileError
 from sim.fast import Chunk, FastEngine, StepStream
-from sim.fuzz.strategies import scenario_dicts
+from sim.fuzz.strategies import fast_scenario_dicts, scenario_dicts
 from sim.profiles import FAULTS, PROFILES
 from sim.trace.reader import Trace, iter_records, read_trace
 from sim.trace.records import BlockEvent
@@ -164,30 +164,14 @@ def test_fast_engine_chunks_straddling_steps(monkeypatch):
         assert compiled == oracle
 
 
-def _fast_subset(d: dict, data: st.DataObject) -> dict:
-    """A fuzz scenario moved into the fast engine's subset, with random (faulty) switches."""
-    d.update(spec={"mode": "none"}, overlap={"enabled": False},
-             profile=data.draw(st.sampled_from(sorted(PROFILES))))
-    d["cache"]["reuse"] = "off"
-    d["switches"] = {
-        "backend": data.draw(st.sampled_from(("fa2", "fa3", "xqa"))),
-        "gen_table_width": data.draw(st.sampled_from(("reserved", "logical-host",
-                                                      "logical-device"))),
-        "plan_key": data.draw(st.sampled_from(("fresh", "no-width", "per-batch"))),
-        "null_block": data.draw(st.booleans()),
-        "draft_clamp": data.draw(st.booleans()),
-    }
-    return d
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-@given(d=scenario_dicts(max_requests=6), data=st.data())
+@given(d=fast_scenario_dicts(max_requests=6), data=st.data())
 def test_fuzzed_fast_engine_chunks_match_the_oracle(d, data):
     steps = data.draw(st.sampled_from((3, 7, 4096)))
     old = fast_engine._STEPS
     fast_engine._STEPS = steps  # hypothesis and function-scoped monkeypatch do not mix
     try:
-        oracle, compiled = _chunk_run(parse_scenario(_fast_subset(d, data)))
+        oracle, compiled = _chunk_run(parse_scenario(d))
     finally:
         fast_engine._STEPS = old
     assert compiled == oracle

@@ -19,7 +19,7 @@ import sim.fast.engine as fast_engine
 from sim.api import load_scenario, parse_scenario, run, switches_for
 from sim.errors import ProfileError, ScenarioError
 from sim.fast import supports
-from sim.fuzz.strategies import scenario_dicts
+from sim.fuzz.strategies import fast_scenario_dicts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,31 +101,10 @@ def test_engine_fast_refuses_what_it_does_not_model():
         run(sc, engine="fast", base_dir=base)
 
 
-def _subset(d: dict, data: st.DataObject) -> dict:
-    """A fuzz scenario moved into the fast engine's subset, with random engine switches."""
-    d["spec"] = {"mode": "none"}
-    d["overlap"] = {"enabled": False}
-    d["cache"]["reuse"] = "off"
-    d["profile"] = data.draw(st.sampled_from(("vllm-v1", "trtllm-post-17264",
-                                              "trtllm-pre-17264")))
-    d["switches"] = {
-        "backend": data.draw(st.sampled_from(("fa2", "fa3", "xqa"))),
-        "gen_table_width": data.draw(st.sampled_from(("reserved", "logical-host",
-                                                      "logical-device"))),
-        "plan_key": data.draw(st.sampled_from(("fresh", "no-width", "per-batch"))),
-        "null_block": data.draw(st.booleans()),
-        "draft_clamp": data.draw(st.booleans()),
-    }
-    sched = d["scheduler"]
-    if data.draw(st.booleans()):
-        sched["max_num_tokens"] = data.draw(st.integers(1, 64))
-    return d
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
-@given(d=scenario_dicts(max_requests=8), data=st.data())
+@given(d=fast_scenario_dicts(max_requests=8), data=st.data())
 def test_fuzzed_scenarios_match_the_reference(tmp_path_factory, d, data):
-    sc = parse_scenario(_subset(d, data))
+    sc = parse_scenario(d)
     _both(sc, tmp_path_factory.mktemp("fast"), check=data.draw(st.booleans()))
 
 

@@ -22,6 +22,11 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - --phases: one more pass with perf_counter_ns around each phase of the generation steps
   (events, content, append, plan, run, reference, errors, checksums, the loop between steps):
   host µs per step, inclusive (`phases_us_per_step`). The timers cost ~1 µs a phase.
+- prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`), done ahead of
+  the steps and not in the wall: `prepare_gen_ms_per_step` over the generation steps and
+  `ratio_gen_incl_prepare` = (wall + that) / kernels, the end-to-end ratio of a long replay.
+- --sweep 64x2048,128x8192,...: the benchmark trace at each batch x kv_len, all of the above but
+  the profile and phases (`sizes`): the ratio as the kernels get more work per step.
 - --before B.json: the same command's result for the code before a change, run in the same
   call on the same machine (host speed differs a lot between lent machines), kept under
   "before"; --note: a line of context kept under "note".
@@ -169,49 +174,90 @@ def phases_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
     return out
 
 
+def measure(path: Path, phases: bool = False, profile: bool = False) -> dict[str, Any]:
+    """Every pass over one trace (module docstring); the figures of one result."""
+    trace = load_trace(path)
+    first, last = trace.steps[1].step, trace.steps[-1].step
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")  # JIT, warm-up
+    wall, wait, res = wall_pass(trace, first, last)
+    wall2, wait2, res2 = wall_pass(trace, first, last)
+    ms = kernel_pass(trace)
+    ph = phases_pass(trace, first, last) if phases else None
+    if profile:
+        profile_pass(trace, first, last)
+    kern = sum(ms) / len(ms)
+    prep = res.prepare_s * 1e3 / max(len({r.step for r in res.rows}), 1)  # all steps
+    gen = [v for k, v in res.prepare_step_s.items() if k >= first]
+    prep_gen = sum(gen) * 1e3 / max(len(gen), 1)
+    rows = [r for r in res.rows if r.step >= first]
+    out = {"trace": str(path), "steps": len(ms), "batch": len(trace.rows[first]),
+           "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
+           "host_wait_ms_per_step": wait,
+           "kernel_ms_per_step": kern, "ratio": wall / kern, "prepare_ms_per_step": prep,
+           "ratio_incl_prepare": (wall + prep) / kern,
+           "prepare_gen_ms_per_step": prep_gen,
+           "ratio_gen_incl_prepare": (wall + prep_gen) / kern, "counts": res.counts(),
+           "max_ok_err": max_ok_error(res), "rows_checked": len(rows),
+           "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,
+                      "ratio": wall2 / kern,
+                      "same_verdicts": [r.verdict for r in res.rows] ==
+                      [r.verdict for r in res2.rows]},
+           "kernel_ms_min_max": [min(ms), max(ms)]}
+    if ph is not None:
+        out["phases_us_per_step"] = ph
+    return out
+
+
+def sweep(sizes: str, work: Path) -> list[dict[str, Any]]:
+    """The benchmark trace at each BATCHxKV of `sizes` (e.g. 64x2048,128x8192), one at a time:
+    how the wall/kernel ratio moves as the kernels get more work per step."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
+    from replay_traces import big_verify
+
+    out = []
+    for size in sizes.split(","):
+        batch, kv = (int(x) for x in size.lower().split("x"))
+        path = big_verify(work / f"big_{batch}x{kv}", batch=batch, kv=kv)
+        r = measure(path)
+        print(f"batch {batch:4d} kv {kv:6d}: wall {r['wall_ms_per_step']:.3f} ms/step, kernels "
+              f"{r['kernel_ms_per_step']:.3f}, ratio {r['ratio']:.2f}x "
+              f"(repeat {r['repeat']['ratio']:.2f}x), with prepare "
+              f"{r['ratio_gen_incl_prepare']:.2f}x, {r['counts']}", flush=True)
+        out.append({"batch": batch, "kv": kv} | r)
+        torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("trace", type=Path)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", type=Path, nargs="?",
+                    help="trace directory (tests/unit/replay_traces.py --big writes big_verify)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--profile", action="store_true",
                     help="cProfile one more, untimed pass (host time)")
     ap.add_argument("--phases", action="store_true",
                     help="one more pass: host µs per generation step by phase")
+    ap.add_argument("--sweep", metavar="BxKV,...",
+                    help="instead of TRACE: the benchmark trace at each batch x kv_len, written "
+                    "under --work (e.g. 64x2048,128x8192)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/kvsim-gpu-sweep"),
+                    help="where --sweep writes its traces")
     ap.add_argument("--commit", default="",
                     help="commit to record (default: git rev-parse; the device copy has no .git)")
     ap.add_argument("--before", type=Path, help="this bench's JSON for the code before a change, "
                     "same call and machine")
     ap.add_argument("--note", default="", help="context to keep in the JSON")
     a = ap.parse_args()
-    trace = load_trace(a.trace)
-    first, last = trace.steps[1].step, trace.steps[-1].step
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")  # JIT, warm-up
-    wall, wait, res = wall_pass(trace, first, last)
-    wall2, wait2, res2 = wall_pass(trace, first, last)
-    ms = kernel_pass(trace)
-    phases = phases_pass(trace, first, last) if a.phases else None
-    if a.profile:
-        profile_pass(trace, first, last)
-    kern = sum(ms) / len(ms)
-    prep = res.prepare_s * 1e3 / max(len({r.step for r in res.rows}), 1)  # all steps
-    rows = [r for r in res.rows if r.step >= first]
+    if (a.trace is None) == (a.sweep is None):
+        ap.error("give a TRACE directory or --sweep, not both")
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                         capture_output=True, text=True).stdout.strip()
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
-    out |= {"commit": commit, "trace": str(a.trace), "steps": len(ms),
-            "batch": len(trace.rows[first]),
-            "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
-            "host_wait_ms_per_step": wait,
-            "kernel_ms_per_step": kern, "ratio": wall / kern, "prepare_ms_per_step": prep,
-            "ratio_incl_prepare": (wall + prep) / kern, "counts": res.counts(),
-            "max_ok_err": max_ok_error(res), "rows_checked": len(rows),
-            "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,
-                       "ratio": wall2 / kern,
-                       "same_verdicts": [r.verdict for r in res.rows] ==
-                       [r.verdict for r in res2.rows]},
-            "kernel_ms_min_max": [min(ms), max(ms)]}
-    if phases is not None:
-        out["phases_us_per_step"] = phases
+    out["commit"] = commit
+    if a.sweep:
+        out["sizes"] = sweep(a.sweep, a.work)
+    else:
+        out |= measure(a.trace, a.phases, a.profile)
     if a.before:
         out["before"] = _before(json.loads(a.before.read_text()))
     if a.note:

@@ -85,6 +85,7 @@ class ReplayResult:
     # what the kernels measured beside the rows (FlashInfer: the plan cache's memory)
     stats: dict[str, Any] = field(default_factory=dict)
     prepare_s: float = 0.0  # host seconds spent in `prepare` (not serialized: timing noise)
+    prepare_step_s: dict[int, float] = field(default_factory=dict)  # step -> its share of it
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(VERDICTS, 0)
@@ -149,7 +150,7 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
         if on_step:
             on_step(p.step.step, "done")
     _flush(res, pending)
-    res.prepare_s = state.seconds
+    res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     stats = getattr(kernels, "stats", None)
     if callable(stats):
         res.stats = stats()

@@ -70,10 +70,12 @@ class HostState:
     guard: int
     rope_rows: int | None
     refcount: dict[int, int] = field(default_factory=dict)
+    shared: set[int] = field(default_factory=set)  # blocks whose refcount is > 1
     slot: dict[int, int] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     last: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
+    step_seconds: dict[int, float] = field(default_factory=dict)  # step -> its `_prepare` time
     # the last prepared step's rewind (pool rows, pages): applied before the next step's events
     rewind: tuple[np.ndarray, np.ndarray] | None = None
 
@@ -108,7 +110,9 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
         rows = trace.rows[s.step]
         if not rows:
             continue  # as the old loop: such a step's events are not applied
+        t1 = time.perf_counter()
         batch.append(_prepare(state, s, rows, flight, chunk))
+        state.step_seconds[s.step] = time.perf_counter() - t1
         if chunk.n >= CHUNK_WORDS:
             chunk.upload()
             state.seconds += time.perf_counter() - t0
@@ -123,9 +127,9 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
 def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
              chunk: Chunk) -> Prepared:
     arrays: dict[str, np.ndarray] = {}
-    ops, touched = event_ops(st.trace, s.step, st.guard, st.refcount, flight, arrays)
+    ops, touched = event_ops(st.trace, s.step, st.guard, st.refcount, flight, arrays, st.shared)
     ops, touched = _pool_ops(st, ops, touched, arrays)
-    shared = np.array([blk for blk, n in st.refcount.items() if n > 1], dtype=np.int64)
+    shared = np.fromiter(st.shared, np.int64, len(st.shared))
     b = build_step(s, rows, st.trace.model.page_size, st.guard, shared)
     slots, fill = _admit(st, b, arrays)
     arrays |= _step_arrays(b, slots) | run_arrays(b)

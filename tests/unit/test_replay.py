@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from replay_traces import EXPECTED, SCENARIOS, _two
 
 from gpu_backend.isolate import replay_isolated
@@ -167,4 +169,13 @@ def test_a_plan_for_another_width_is_refused_as_flashinfer_does(tmp_path: Path, 
     res = run_replay(b.write(tmp_path / "t", "stale"), "reference", DEFAULT_TOL)
     assert _bad(res) == {(1, 0): "fault", (1, 1): "fault"}  # the next step is planned afresh
     assert says in res.rows[2].message
+
+
+
+@given(st.lists(st.integers(-5, 40), max_size=30), st.lists(st.integers(-5, 40), max_size=30))
+def test_member_is_isin_on_sorted_keys(xs: list[int], keys: list[int]) -> None:
+    from gpu_backend.layout import _member
+
+    x, k = np.array(xs, dtype=np.int64), np.sort(np.array(keys, dtype=np.int64))
+    assert _member(x, k).tolist() == np.isin(x, k).tolist()
 

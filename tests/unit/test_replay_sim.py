@@ -106,3 +106,21 @@ def test_agreement_compares_the_simulator_with_each_backend() -> None:
         "ok"]
     assert plan_cache_note(rows[1]) == "plan cache held: 5 wrapper pairs, 80 MiB device (measured)"
     assert plan_cache_note(rows[0]) == ""
+
+
+def test_shared_blocks_follow_the_refcounts(tmp_path: Path) -> None:
+    """event_ops keeps the blocks with refcount > 1 as a set beside the refcounts (no scan of
+    the whole map per step): after every step it equals the scan it replaced."""
+    from gpu_backend.events import event_ops, in_flight_poison
+    from gpu_backend.tracedata import load_trace
+
+    trace = load_trace(_simulate(tmp_path, "append_into_shared"))
+    flight = in_flight_poison(trace)
+    refcount: dict[int, int] = {}
+    shared: set[int] = set()
+    seen = []
+    for s in trace.steps:
+        event_ops(trace, s.step, 1, refcount, flight, {}, shared)
+        assert shared == {b for b, n in refcount.items() if n > 1}
+        seen.append(len(shared))
+    assert max(seen) > 0  # reused prefix blocks have two holders

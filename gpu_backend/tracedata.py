@@ -1,8 +1,10 @@
 """Read a trace directory (docs/trace.md) into plain Python records for the replay.
 
-The replay depends on the trace format only, never on the simulator's internals. When
-`sim.trace.reader` is present it validates the directory first (manifest, version, completeness);
-the tables are then read here with pyarrow so the replay sees exactly the documented columns.
+The replay depends on the trace format only, never on the simulator's internals. The tables come
+from `sim.trace.reader.read_trace`, which validates the directory (manifest, version, counts,
+digest) and decodes format 2's delta-encoded page lists: the replay sees the logical tables of
+docs/trace.md whichever format_version the trace has (reading rows.parquet here with pyarrow
+would hand back format 2's stored page-list tails, not the page lists).
 """
 
 from __future__ import annotations
@@ -12,10 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from sim.errors import TraceError
-from sim.trace.records import FORMAT_VERSION, BlockEvent, RowRecord, StepRecord
+from sim.trace.reader import read_trace
+from sim.trace.records import READABLE_VERSIONS, BlockEvent, RowRecord, StepRecord
 
 MODEL_KEYS = ("num_q_heads", "num_kv_heads", "head_dim", "tokens_per_block", "num_blocks", "dtype")
 
@@ -44,18 +45,6 @@ class TraceData:
     violations: list[tuple[str, int, int, str]] = field(default_factory=list)
 
 
-def _table(path: Path, name: str, required: bool = True) -> list[dict[str, Any]]:
-    f = path / f"{name}.parquet"
-    if not f.exists():
-        if required:
-            raise TraceError(f"{path}: {name}.parquet is missing")
-        return []
-    try:
-        return pq.read_table(f).to_pylist()
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise TraceError(f"{f}: unreadable Parquet ({e})") from None
-
-
 def _manifest(path: Path) -> dict[str, Any]:
     f = path / "manifest.json"
     if not path.is_dir():
@@ -66,9 +55,10 @@ def _manifest(path: Path) -> dict[str, Any]:
         m = json.loads(f.read_text())
     except json.JSONDecodeError as e:
         raise TraceError(f"{f}: not valid JSON ({e})") from None
-    if m.get("format_version") != FORMAT_VERSION:
-        raise TraceError(f"{f}: format_version {m.get('format_version')!r}, "
-                         f"this replay reads {FORMAT_VERSION}")
+    version = m.get("format_version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise TraceError(f"{f}: format_version {version!r}, "
+                         f"this replay reads {' or '.join(map(str, READABLE_VERSIONS))}")
     if m.get("complete") is not True:
         raise TraceError(f"{f}: trace is not marked complete")
     missing = [k for k in MODEL_KEYS if k not in m.get("model", {})]
@@ -78,14 +68,10 @@ def _manifest(path: Path) -> dict[str, Any]:
 
 
 def _tables(path: Path) -> dict[str, list[dict[str, Any]]]:
-    """All five tables as lists of dicts; through sim.trace.reader (digest, counts) when present."""
-    names = ("steps", "rows", "requests", "blocks", "violations")
-    try:
-        from sim.trace.reader import read_trace
-    except ImportError:
-        return {n: _table(path, n, required=n in ("steps", "rows")) for n in names}
+    """All five logical tables as lists of dicts."""
     t = read_trace(path)
-    return {n: t.tables[n].to_pylist() if n in t.tables else [] for n in names}
+    return {n: t.tables[n].to_pylist() for n in ("steps", "rows", "requests", "blocks",
+                                                    "violations")}
 
 
 def _as_row(d: dict[str, Any]) -> RowRecord:

@@ -10,15 +10,11 @@ time-weighted over the step series: each sample holds until the next launch.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
-
-from sim.errors import TraceError
 
 PCTS = (50, 90, 99)
 Metrics = dict[str, float | int | str]
@@ -143,29 +139,12 @@ def _tokens(requests: pa.Table) -> Metrics:
 
 
 def load_trace_tables(trace_dir: str | Path) -> tuple[dict, dict[str, pa.Table]]:
-    """(manifest, tables) of a trace directory. Raises TraceError naming what is missing."""
-    d = Path(trace_dir)
-    try:
-        from sim.trace import reader
-    except ImportError:  # the reader is optional: fall back to plain Parquet below
-        pass
-    else:
-        tr = reader.read_trace(d)
-        return dict(tr.manifest), {n: tr.tables[n] for n in ("steps", "rows", "requests")}
-    man = d / "manifest.json"
-    try:
-        manifest = json.loads(man.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise TraceError(f"{man}: not a trace (no readable manifest.json: {e})") from None
-    if not manifest.get("complete"):
-        raise TraceError(f"{man}: trace is incomplete (no 'complete': true)")
-    tables = {}
-    for name in ("steps", "rows", "requests"):
-        try:
-            tables[name] = pq.read_table(d / f"{name}.parquet")
-        except (OSError, pa.ArrowException) as e:
-            raise TraceError(f"{d / f'{name}.parquet'}: cannot read: {e}") from None
-    return manifest, tables
+    """(manifest, tables) of a trace directory: the logical tables of docs/trace.md (the reader
+    decodes format 2's page lists). Raises TraceError naming what is missing or broken."""
+    from sim.trace.reader import read_trace
+
+    tr = read_trace(trace_dir)
+    return dict(tr.manifest), {n: tr.tables[n] for n in ("steps", "rows", "requests")}
 
 
 def trace_metrics(trace_dir: str | Path, slo_ttft_ms: float | None = None,

@@ -14,16 +14,22 @@ _warm = False
 
 
 def warm() -> None:
-    """Compile the kernel and the compiled checker now (or load them from numba's cache),
-    outside anything timed: the fuzzer's hang guard, benchmarks. Idempotent; a tiny checked
-    one-request run."""
+    """Compile the kernel, the compiled checker and the trace's page-list codec now (or load
+    them from numba's cache), outside anything timed: the fuzzer's hang guard, benchmarks.
+    Idempotent; a tiny checked one-request run, its trace written and read back."""
     global _warm
     if _warm:
         return
+    import tempfile
+    from pathlib import Path
+
     from sim.api import parse_scenario, run
-    run(parse_scenario({"spec": {"mode": "none"}, "overlap": {"enabled": False},
-                        "cache": {"reuse": "off", "tokens_per_block": 4, "num_blocks": 8},
-                        "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 3,
-                                                   "output_len": 2}]}}),
-        check=True, engine="fast", collect=False)
+    from sim.trace.reader import read_trace
+    with tempfile.TemporaryDirectory() as tmp:
+        res = run(parse_scenario({
+            "spec": {"mode": "none"}, "overlap": {"enabled": False},
+            "cache": {"reuse": "off", "tokens_per_block": 4, "num_blocks": 8},
+            "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 3, "output_len": 2}]}}),
+            out=Path(tmp) / "t", check=True, engine="fast", collect=False)
+        read_trace(res.trace_dir)  # type: ignore[arg-type]
     _warm = True

@@ -1,7 +1,9 @@
 """Read a trace directory back (docs/trace.md), refusing anything that is not a whole trace.
 
 `table_digest` recomputes the trace's content digest (sim/trace/digest.py) from the tables as
-read, to compare with the one the writer computed while streaming.
+stored, to compare with the one the writer computed while streaming; only then are format 2's
+delta-encoded page lists decoded (sim/trace/delta.py). `Trace.tables` are always the logical
+tables (SCHEMAS), whichever format_version the directory has.
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim.errors import TraceError
-from sim.trace.digest import TableDigest, combine  # noqa: E402
+from sim.trace.delta import decode_rows
+from sim.trace.digest import TableDigest, combine
 from sim.trace.records import (
-    FORMAT_VERSION,
+    READABLE_VERSIONS,
     BlockEvent,
     RowRecord,
     StepRecord,
 )
-from sim.trace.schema import RECORDS, SCHEMAS, TABLES  # noqa: E402
+from sim.trace.schema import ON_DISK, RECORDS, SCHEMAS, TABLES
 
 _TMP_NAME = re.compile(r"\.tmp-[0-9]+$")  # TraceWriter's DIR.tmp-<pid>
 # The checker allocates per KV slot and per block; the same bounds as a scenario's (sim.config).
@@ -38,16 +41,18 @@ class Trace:
     tables: dict[str, pa.Table]  # name -> table in its fixed schema
 
 
-def table_digest(tables: list[pa.Table]) -> str:
-    """sha256 hex over the tables in TABLES order (steps, rows, requests, blocks, violations).
+def table_digest(tables: list[pa.Table], schemas: dict[str, pa.Schema] = SCHEMAS) -> str:
+    """sha256 hex over the tables in TABLES order (steps, rows, requests, blocks, violations),
+    as stored: `schemas` is ON_DISK[format_version] (the default: format 1, where the stored
+    tables are the logical ones).
 
     Column names, types and values count; chunking, column order and metadata do not
     (sim/trace/digest.py: the writer computes the same digest as it streams).
     """
     parts = []
     for name, table in zip(TABLES, tables, strict=True):
-        d = TableDigest(name, SCHEMAS[name])
-        d.update(_conform(table, SCHEMAS[name], name))
+        d = TableDigest(name, schemas[name])
+        d.update(_conform(table, schemas[name], name))
         parts.append(d.hexdigest())
     return combine(parts)
 
@@ -61,16 +66,19 @@ def read_trace(path: str | Path) -> Trace:
     if not root.is_dir():
         raise TraceError(f"{root}: trace directory does not exist")
     manifest = _read_manifest(root / "manifest.json")
-    tables = {name: _read_table(root / f"{name}.parquet", name) for name in TABLES}
+    schemas = ON_DISK[manifest["format_version"]]
+    tables = {name: _read_table(root / f"{name}.parquet", schemas[name]) for name in TABLES}
     for name, t in tables.items():
         want = manifest.get("counts", {}).get(name)
         if want is not None and want != t.num_rows:
             raise TraceError(f"{root / f'{name}.parquet'}: {t.num_rows} rows but manifest "
                              f"counts.{name} is {want}")
-    got = table_digest([tables[n] for n in TABLES])
+    got = table_digest([tables[n] for n in TABLES], schemas)
     if got != manifest.get("digest"):
         raise TraceError(f"{root}: digest mismatch: manifest.json says {manifest.get('digest')}, "
                          f"the tables hash to {got}")
+    if manifest["format_version"] == 2:  # decode only what the digest vouched for
+        tables["rows"] = decode_rows(tables["rows"], str(root / "rows.parquet"))
     return Trace(root, manifest, tables)
 
 
@@ -83,9 +91,10 @@ def _read_manifest(file: Path) -> dict[str, Any]:
         raise TraceError(f"{file} is not valid JSON ({e}): a partial write?") from e
     if not isinstance(manifest, dict) or manifest.get("complete") is not True:
         raise TraceError(f"{file} lacks \"complete\": true: the trace was not finished")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise TraceError(f"{file}: format_version {manifest.get('format_version')!r}, this "
-                         f"kvsim reads {FORMAT_VERSION}")
+    version = manifest.get("format_version")
+    if type(version) is not int or version not in READABLE_VERSIONS:
+        raise TraceError(f"{file}: format_version {version!r}, this kvsim reads "
+                         f"{' or '.join(map(str, READABLE_VERSIONS))}")
     _check_model(file, manifest.get("model"))
     if not isinstance(manifest.get("counts", {}), dict):
         raise TraceError(f"{file}: \"counts\" must be an object of table -> rows")
@@ -112,14 +121,14 @@ def _check_model(file: Path, model: object) -> None:
                          f"got {model['null_block']!r}")
 
 
-def _read_table(file: Path, name: str) -> pa.Table:
+def _read_table(file: Path, schema: pa.Schema) -> pa.Table:
     if not file.is_file():
         raise TraceError(f"{file} is missing")
     try:
         table = pq.read_table(file)
     except (OSError, pa.ArrowException) as e:
         raise TraceError(f"{file} is unreadable (truncated or corrupt): {e}") from e
-    return _conform(table, SCHEMAS[name], str(file))
+    return _conform(table, schema, str(file))
 
 
 def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:

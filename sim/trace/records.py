@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what the writer writes
+READABLE_VERSIONS = (1, 2)  # what the readers accept (1: rows.parquet stores whole page lists)
 
 
 @dataclass(frozen=True, slots=True)

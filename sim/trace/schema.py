@@ -1,4 +1,8 @@
-"""Arrow schemas of the trace tables, derived from the record dataclasses (one source of truth)."""
+"""Arrow schemas of the trace tables, derived from the record dataclasses (one source of truth).
+
+`SCHEMAS` are the logical tables everything downstream sees; `STORED` is what format_version 2
+puts on disk: rows.parquet adds the columns of its delta-encoded page lists (sim/trace/delta.py).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,14 @@ from operator import attrgetter
 
 import pyarrow as pa
 
-from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
+from sim.trace.records import (
+    READABLE_VERSIONS,
+    BlockEvent,
+    RequestRecord,
+    RowRecord,
+    StepRecord,
+    Violation,
+)
 
 _TYPES = {"int": pa.int64(), "str": pa.string(), "bool": pa.bool_(),
           "tuple[int, ...]": pa.list_(pa.int32())}
@@ -29,6 +40,12 @@ SCHEMAS: dict[str, pa.Schema] = {
     "violations": _schema(Violation),
 }
 TABLES = tuple(SCHEMAS)  # order of the digest
+# rows.parquet on disk: `pages` and `alloc` hold only the tail after the ids kept from `prev_row`
+DELTA_COLUMNS = ("prev_row", "pages_keep", "alloc_keep")
+STORED: dict[str, pa.Schema] = dict(SCHEMAS, rows=pa.schema(
+    [*SCHEMAS["rows"], *(pa.field(c, pa.int64(), nullable=False) for c in DELTA_COLUMNS)]))
+ON_DISK = {1: SCHEMAS, 2: STORED}  # format_version -> the schemas of its files
+assert tuple(ON_DISK) == READABLE_VERSIONS, "a readable format_version without its schemas"
 RECORDS = {"steps": StepRecord, "rows": RowRecord, "requests": RequestRecord,
            "blocks": BlockEvent, "violations": Violation}
 

@@ -328,7 +328,7 @@ def trace_mutations() -> Iterator[tuple[str, Mutator, str]]:
     yield "manifest-array", _write(m, b"[1, 2]"), m
     yield "manifest-non-utf8", _write(m, b'{"complete": true, "x": "\xff"}'), m
     yield "manifest-empty", _write(m, b""), m
-    for v in (2, 0, "1", None):
+    for v in (3, 0, "2", None):  # readable: 1 and 2 (ints)
         yield f"format_version={v}", _edit_manifest(_setitem(("format_version",), v)), \
             "format_version"
     yield "format_version-missing", _edit_manifest(_delitem("format_version")), "format_version"

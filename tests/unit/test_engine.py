@@ -10,9 +10,9 @@ COLS = ("step", "phase", "q_len", "pages", "kv_len", "append_pos", "cached_host"
 
 
 def rows_of(tmp_path, sc, profile):  # type: ignore[no-untyped-def]
-    import pyarrow.parquet as pq
+    from sim.trace.reader import read_trace  # the logical rows (rows.parquet stores deltas)
     res = run(sc, out=tmp_path / "t", profile=profile)
-    t = pq.read_table(tmp_path / "t" / "rows.parquet").to_pylist()
+    t = read_trace(tmp_path / "t").tables["rows"].to_pylist()
     return res, [tuple(r[c] for c in COLS) for r in t]
 
 

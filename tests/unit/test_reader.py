@@ -76,7 +76,7 @@ def test_digest_ignores_chunking_but_not_values() -> None:
     ("nodir", "trace directory does not exist"),
     ("nomanifest", "manifest.json is missing: not a trace, or one whose writing never finished"),
     ("partial", "manifest.json lacks \"complete\": true: the trace was not finished"),
-    ("version", "manifest.json: format_version 2, this kvsim reads 1"),
+    ("version", "manifest.json: format_version 3, this kvsim reads 1 or 2"),
     ("notable", "rows.parquet is missing"),
     ("truncated", "rows.parquet is unreadable (truncated or corrupt)"),
     ("column", "rows.parquet lacks columns ['pages']"),
@@ -86,7 +86,7 @@ def test_digest_ignores_chunking_but_not_values() -> None:
 def test_refusals(tmp_path: Path, breakage: str, message: str) -> None:
     root = tmp_path / "t"
     if breakage != "nodir":
-        write(root, **{"partial": {"complete": False}, "version": {"format_version": 2},
+        write(root, **{"partial": {"complete": False}, "version": {"format_version": 3},
                        "count": {"counts": {"rows": 3}}, "digest": {"digest": "00"}}
               .get(breakage, {}))
     man = root / "manifest.json"

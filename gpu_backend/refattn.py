@@ -179,6 +179,8 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
     return kv, q
 
 
-_attend = Launcher(_attend_kernel, num_warps=4, num_stages=3)
+# num_stages 2, not 3: bit-identical output, 12% less device time at kv 2k-8k, the same at
+# batch 256 kv 8k (36 configs timed on the H200, docs/gpu.md round 5)
+_attend = Launcher(_attend_kernel, num_warps=4, num_stages=2)
 _token_err = Launcher(_token_err_kernel, num_warps=4)
 _content = Launcher(_content_kernel, num_warps=4)

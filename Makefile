@@ -51,11 +51,15 @@ bench-fuzz: $(STAMP)
 
 # On a CUDA host with the gpu extra (GPU_PY: a Python with torch + flashinfer); skipped here.
 GPU_PY ?= $(BIN)/python
+# batch x kv_len of the replay sweep (bench/gpu_replay.py --sweep): where the ratio stops being host-bound
+GPU_SWEEP ?= 64x2048,64x8192,128x4096,128x8192,256x8192,128x16384
 bench-gpu:
 	@if $(GPU_PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; \
 	then $(GPU_PY) tests/unit/replay_traces.py --big /tmp/kvsim-bench-gpu >/dev/null && \
 		$(GPU_PY) bench/gpu_replay.py /tmp/kvsim-bench-gpu/big_verify \
-			--json bench/results/gpu_replay.json; \
+			--json bench/results/gpu_replay.json && \
+		$(GPU_PY) bench/gpu_replay.py --sweep $(GPU_SWEEP) --work /tmp/kvsim-bench-gpu \
+			--json bench/results/gpu_replay_sweep.json; \
 	else echo "bench-gpu: skipped, no CUDA device for $(GPU_PY) (bench/README.md: GPU host)"; fi
 
 clean:

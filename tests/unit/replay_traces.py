@@ -9,8 +9,8 @@ Expected verdicts per scenario are in EXPECTED ({(step, request): verdict}; unli
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from dataclasses import astuple, dataclass, field, replace
 from pathlib import Path
 
@@ -238,11 +238,19 @@ def write_all(out: Path) -> dict[str, Path]:
     return {name: fn(out / name) for name, fn in SCENARIOS.items()}
 
 
-if __name__ == "__main__":
-    dest = Path(sys.argv[1])
-    paths = write_all(dest)
-    if "--big" in sys.argv:
-        paths["big_verify"] = big_verify(dest / "big_verify")
-    (dest / "expected.json").write_text(json.dumps(
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Write the replay test traces and expected.json.")
+    ap.add_argument("out", type=Path, help="directory to write them under")
+    ap.add_argument("--big", action="store_true",
+                    help="also big_verify, the GPU benchmark trace (batch 64, kv_len ~2k)")
+    a = ap.parse_args(argv)
+    paths = write_all(a.out)
+    if a.big:
+        paths["big_verify"] = big_verify(a.out / "big_verify")
+    (a.out / "expected.json").write_text(json.dumps(
         {n: {f"{s},{r}": v for (s, r), v in e.items()} for n, e in EXPECTED.items()}, indent=1))
     print("\n".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+    main()

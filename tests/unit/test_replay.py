@@ -179,3 +179,15 @@ def test_member_is_isin_on_sorted_keys(xs: list[int], keys: list[int]) -> None:
     x, k = np.array(xs, dtype=np.int64), np.sort(np.array(keys, dtype=np.int64))
     assert _member(x, k).tolist() == np.isin(x, k).tolist()
 
+
+
+@pytest.mark.parametrize("order", [("--big", "{out}"), ("{out}", "--big")])
+def test_trace_writer_script_takes_the_flag_on_either_side(tmp_path: Path,
+                                                           order: tuple[str, str]) -> None:
+    """`make bench-gpu` runs `replay_traces.py --big DIR`: the directory is DIR, not '--big'
+    (it once was, and the benchmark then found no trace)."""
+    args = [a.format(out=tmp_path / "t") for a in order]
+    subprocess.run([sys.executable, str(ROOT / "tests" / "unit" / "replay_traces.py"), *args],
+                   check=True, capture_output=True, cwd=tmp_path)
+    assert (tmp_path / "t" / "big_verify" / "manifest.json").is_file()
+    assert not (tmp_path / "--big").exists()

@@ -22,7 +22,7 @@ from sim.fast import Chunk, FastEngine, StepStream, request_records, supports
 from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
-from sim.trace.writer import TraceWriter, to_arrow
+from sim.trace.writer import TraceWriter, from_numpy, to_arrow
 from sim.workload import RequestSpec, iter_workload
 
 __all__ = ["RunResult", "load_scenario", "parse_scenario", "run", "switches_for"]
@@ -288,11 +288,14 @@ def _table(name: str, rows: list[tuple]) -> pa.Table:
 
 
 def _kv_table(rows: list[tuple[int, int, float, int]]) -> pa.Table:
+    """The KV series; built from numpy buffers (pa.array's first call imports pandas, ~0.15 s
+    that a traced run otherwise never pays)."""
     cols: list = list(zip(*rows, strict=True)) if rows else [[], [], [], []]
-    return pa.table({"t_ns": pa.array(cols[0], pa.int64()),
-                     "blocks_used": pa.array(cols[1], pa.int64()),
-                     "blocks_reserved_draft": pa.array(cols[2], pa.float64()),
-                     "blocks_cached": pa.array(cols[3], pa.int64())})
+    types = {"t_ns": (np.int64, pa.int64()), "blocks_used": (np.int64, pa.int64()),
+             "blocks_reserved_draft": (np.float64, pa.float64()),
+             "blocks_cached": (np.int64, pa.int64())}
+    return pa.table({name: from_numpy(np.array(c, dt), t)
+                     for (name, (dt, t)), c in zip(types.items(), cols, strict=True)})
 
 
 def _pick_engine(engine: str, sc: Scenario, sw: Switches) -> bool:

@@ -12,6 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from sim import interrupt
 from sim.errors import KvsimError
 
 console = Console()
@@ -30,6 +31,7 @@ def user_errors() -> Iterator[None]:
     _terminate_as_interrupt()
     try:
         yield
+        interrupt.check()  # a signal some extension swallowed still ends the run as one
     except KvsimError as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -38,6 +40,7 @@ def user_errors() -> Iterator[None]:
 
 
 def _on_term(signum: int, frame: object) -> None:
+    interrupt.note()  # in case the exception below is swallowed (sim/interrupt.py)
     raise KeyboardInterrupt
 
 

@@ -6,28 +6,45 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numba as nb
 import numpy as np
+import pyarrow as pa
 
 from sim.fast import fields as fl
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
+from sim.trace.writer import strings
 
 if TYPE_CHECKING:
     from sim.fast.engine import FastEngine
 
-_PHASE = np.array(["ctx", "gen"], dtype=object)
-_EV_PHASE = np.array(["sched", "proc"], dtype=object)
-_EVENT = np.array(fl.EVENTS, dtype=object)
-_REASON = np.array(fl.REASONS, dtype=object)
+_PHASE = ("ctx", "gen")
+_EV_PHASE = ("sched", "proc")
 
 
 @dataclass
 class Chunk:
     """One drain of the kernel's buffers, as trace columns (docs/trace.md) in schema order."""
     steps: dict[str, np.ndarray]
-    rows: dict[str, object]  # list columns are (offsets int32, values int32)
-    blocks: dict[str, np.ndarray]
+    rows: dict[str, object]  # list columns are (offsets int32, values int32); strings Arrow
+    blocks: dict[str, np.ndarray]  # phase and event: Arrow strings
     requests: dict[str, object]
     spare_slots: np.ndarray  # per step: reserved - committed - new over rows (kv series)
+
+
+@nb.njit(cache=True, nogil=True)
+def _positions(starts, offsets):  # type: ignore[no-untyped-def]
+    """values[offsets[i]:offsets[i + 1]] = start[i], start[i] + 1, ... (int32, as stored)."""
+    values = np.empty(offsets[-1], np.int32)
+    for i in range(len(starts)):
+        for j in range(offsets[i], offsets[i + 1]):
+            values[j] = starts[i] + j - offsets[i]
+    return values
+
+
+def positions(starts: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, start+n) for each row as a list column (offsets int32, values int32), n from
+    the offsets: ranges() in one compiled pass, without the int64 temporaries."""
+    return offsets, _positions(np.ascontiguousarray(starts, np.int64), offsets)
 
 
 def ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +70,7 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
         "step": S[:, 0], "t_sched_ns": S[:, 1], "t_launch_ns": S[:, 2],
         "t_dev_start_ns": S[:, 3], "t_dev_end_ns": S[:, 4], "num_rows": S[:, 5],
         "num_ctx": S[:, 6], "num_gen": S[:, 7], "num_tokens": S[:, 8],
-        "backend": np.full(len(S), eng.sw.backend, dtype=object), "plan_q_len": S[:, 9],
+        "backend": strings(np.zeros(len(S), np.int64), (eng.sw.backend,)), "plan_q_len": S[:, 9],
         "plan_batch": S[:, 10], "plan_cache_size": S[:, 11], "blocks_used": S[:, 12],
         "blocks_free": S[:, 13], "blocks_cached": S[:, 14], "graph_width": S[:, 15],
         "processed_step": S[:, 0]}  # overlap off: each step is processed before the next
@@ -62,13 +79,14 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
         q = W[:, fl.W_Q]
         n = len(W)
         zeros, false = np.zeros(n, np.int64), np.zeros(n, bool)
+        append, rope = _positions_of(W)
         rows = {
             "step": W[:, fl.W_STEP], "row": W[:, fl.W_ROW], "request": W[:, fl.W_REQ],
-            "phase": _PHASE[W[:, fl.W_PHASE]], "q_len": q, "draft_len": zeros,
+            "phase": strings(W[:, fl.W_PHASE], _PHASE), "q_len": q, "draft_len": zeros,
             "first_gen": false, "prev_in_flight": false,
             "pages": _listcol(eng.PG, W[:, fl.W_NPAGES]), "kv_indptr": W[:, fl.W_KVINDPTR],
             "last_page_len": W[:, fl.W_LPL], "kv_len": W[:, fl.W_KVLEN],
-            "append_pos": ranges(W[:, fl.W_APPEND], q), "rope_pos": ranges(W[:, fl.W_ROPE], q),
+            "append_pos": append, "rope_pos": rope,
             "cached_host": W[:, fl.W_CACHED_HOST], "kv_len_host": W[:, fl.W_KVLEN_HOST],
             "committed": W[:, fl.W_COMMIT], "alloc": _listcol(eng.AL, W[:, fl.W_NALLOC]),
             "reserved": W[:, fl.W_RESERVED], "shared_blocks": zeros,
@@ -76,10 +94,21 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
             "new_tokens": W[:, fl.W_NEW], "prev_new_tokens": W[:, fl.W_PREVNEW],
             "max_pos": np.full(n, eng.max_pos, np.int64)}
     blocks = {
-        "step": E[:, 0], "phase": _EV_PHASE[E[:, 1]], "seq": E[:, 2], "event": _EVENT[E[:, 3]],
+        "step": E[:, 0], "phase": strings(E[:, 1], _EV_PHASE), "seq": E[:, 2],
+        "event": strings(E[:, 3], fl.EVENTS),
         "block": E[:, 4], "request": E[:, 5], "refcount": E[:, 6], "src": E[:, 7],
         "num_tokens": np.zeros(len(E), np.int64), "hash": np.zeros(len(E), np.uint64)}
     return Chunk(steps, rows, blocks, _requests(eng, D), S[:, 17].copy())
+
+
+def _positions_of(W: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """append_pos and rope_pos: one list column twice when their starts agree (always here:
+    with nothing in flight, a prefill chunk starts at the request's committed tokens)."""
+    offsets = _offsets(W[:, fl.W_Q])
+    append = positions(W[:, fl.W_APPEND], offsets)
+    if np.array_equal(W[:, fl.W_APPEND], W[:, fl.W_ROPE]):
+        return append, append
+    return append, positions(W[:, fl.W_ROPE], offsets)
 
 
 def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:
@@ -103,7 +132,7 @@ def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:
         "prompt_tokens": (_offsets(P), eng.toks[p_idx]),
         "output_tokens": (_offsets(n_out), eng.toks[o_idx]),
         "reused_tokens": zeros, "first_token_ns": D[:, fl.D_FIRST], "finish_ns": D[:, fl.D_FIN],
-        "finish_reason": _REASON[reason], "num_preemptions": D[:, fl.D_NPRE],
+        "finish_reason": strings(reason, fl.REASONS), "num_preemptions": D[:, fl.D_NPRE],
         "num_steps": D[:, fl.D_GSTEPS], "accepted_drafts": zeros, "proposed_drafts": zeros}
 
 
@@ -134,6 +163,8 @@ def _pylist(v: object) -> list:
         flat = vals[off[0]:off[-1]].tolist()
         o = (off - off[0]).tolist()
         return [tuple(flat[o[i]:o[i + 1]]) for i in range(len(o) - 1)]
+    if isinstance(v, pa.Array):  # string columns
+        return v.to_pylist()
     return v.tolist()  # type: ignore[attr-defined]
 
 

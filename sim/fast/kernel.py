@@ -302,7 +302,9 @@ def _process(G, K, E, D, V, W, R, T, run, pool, slots, cfg, bs, r0, n):  # type:
     G[fl.G_PROCESSED] = k
 
 
-@nb.njit(cache=True)
+# nogil: one call runs ~8 ms of nopython code; holding the GIL that long stalls the trace
+# writer's thread (Parquet encoding, the digest) between its calls into Arrow and hashlib.
+@nb.njit(cache=True, nogil=True)
 def loop(G, K, cfg, room, R, T, run, wait, pool, slots, flat, toks, seen, AR,
          S, W, PG, AL, TK, E, D, V):  # type: ignore[no-untyped-def]
     """Engine._loop (overlap off). Returns DONE, NEED_ARRIVALS or FLUSH (buffers nearly full:

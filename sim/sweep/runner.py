@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sim import interrupt
 from sim.errors import KvsimError, ScenarioError
 from sim.sweep.spec import SweepSpec, set_path
 from sim.sweep.worker import PointTask, run_point
@@ -129,6 +130,7 @@ def _write_atomic(table: pa.Table, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         pq.write_table(table, tmp)
+        interrupt.check()  # a swallowed SIGTERM must not publish (sim/interrupt.py)
         os.replace(tmp, path)
     except OSError as e:
         raise ScenarioError(f"{path}: cannot write results: {e.strerror or e}") from None

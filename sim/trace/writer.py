@@ -9,6 +9,7 @@ what is stored (STORED).
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -23,6 +24,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from sim import interrupt
 from sim.trace.delta import RowEncoder
 from sim.trace.digest import TableDigest, combine
 from sim.trace.records import (
@@ -120,6 +122,7 @@ class TraceWriter:
                     self.error = e
 
     def _write(self, table: str, data: pa.Table) -> None:
+        interrupt.check()  # stop at the next batch, not at the end of the run
         if self.error is not None:
             raise self.error
         self.q.put((table, data))
@@ -143,9 +146,10 @@ class TraceWriter:
             self.add("blocks", e)
 
     def add_columns(self, table: str, cols: Mapping[str, object]) -> None:
-        """A batch already in columns (the fast engine): numpy arrays, or (offsets, values) for
-        list columns, in schema order. Same digest as the same values added record by record.
-        List columns' values are kept without a copy: the caller must not write them afterwards."""
+        """A batch already in columns (the fast engine): numpy arrays, Arrow arrays, or
+        (offsets, values) for list columns, in schema order. Same digest as the same values
+        added record by record. List columns' values and Arrow arrays are kept without a copy:
+        the caller must not write them afterwards."""
         self._flush(table)  # records added before go first (and through the row encoder first)
         batch = self._stored(table, cols)
         if batch.num_rows == 0:
@@ -195,6 +199,7 @@ class TraceWriter:
         self._join()
         if self.error is not None:
             raise self.error
+        interrupt.check()  # never publish a run that was told to stop
         for n in TABLES:
             self.writers[n].close()
         manifest = dict(manifest, format_version=FORMAT_VERSION,
@@ -220,16 +225,60 @@ class TraceWriter:
 
 def columnar_arrow(v: object, t: pa.DataType) -> pa.Array:
     """numpy -> Arrow. A list column's values (the bulk: page ids) are kept without a copy;
-    the caller hands them over (add_columns). Everything else is copied: the fast engine's
-    scalar columns are views of buffers it reuses."""
+    the caller hands them over (add_columns), as it does an Arrow array. Everything else is
+    copied: the fast engine's scalar columns are views of buffers it reuses."""
     if isinstance(v, tuple):  # list column
         offsets, values = v
-        return pa.ListArray.from_arrays(pa.array(np.array(offsets, np.int32)),
-                                        pa.array(np.ascontiguousarray(values, np.int32)))
-    if pa.types.is_string(t):
-        return pa.array(np.asarray(v), pa.string())
+        return pa.ListArray.from_arrays(from_numpy(np.array(offsets, np.int32), pa.int32()),
+                                        from_numpy(values, pa.int32()))
+    if isinstance(v, pa.Array):  # built by the caller (the fast engine's string columns)
+        if not v.type.equals(t):
+            raise TypeError(f"an Arrow column of type {v.type} where {t} is stored")
+        return v
+    if pa.types.is_string(t):  # few distinct values (phases, reasons, invariants)
+        names, codes = np.unique(np.asarray(v).astype(str), return_inverse=True)
+        return strings(codes, tuple(names.tolist()))
     dtype = {pa.bool_(): bool, pa.uint64(): np.uint64}.get(t, np.int64)
-    return pa.array(np.array(v, dtype), t)
+    return from_numpy(np.array(v, dtype), t)
+
+
+def from_numpy(a: np.ndarray, t: pa.DataType) -> pa.Array:
+    """pa.array(a, t) for a 1-D numpy array already of t's width, over a's memory (no copy).
+    pa.array imports pandas on its first call: ~0.15 s of a traced run's start-up, on the
+    thread that feeds the writer."""
+    if pa.types.is_boolean(t):
+        bits = np.packbits(np.asarray(a, bool), bitorder="little")
+        return pa.Array.from_buffers(t, len(a), [None, pa.py_buffer(bits)])
+    a = np.ascontiguousarray(a, _NUMPY[t])
+    return pa.Array.from_buffers(t, len(a), [None, pa.py_buffer(a)])
+
+
+def strings(codes: np.ndarray, names: tuple[str, ...]) -> pa.Array:
+    """names[codes] as an Arrow string column, built with numpy from buffers: converting Python
+    strings costs ~8x more; pa.array's first call imports pandas (~0.15 s, which no traced run
+    needs otherwise); and Arrow's compute functions (take, cast) install their own SIGINT/SIGTERM
+    handling while they run, in which a signal was lost (tests/hardening/test_signals.py)."""
+    idx = np.ascontiguousarray(codes, np.int64)
+    data, start, length = _names(names)
+    lens = length[idx]
+    offsets = np.zeros(len(idx) + 1, np.int32)
+    np.cumsum(lens, out=offsets[1:])
+    gather = np.repeat(start[idx] - offsets[:-1], lens) + np.arange(offsets[-1], dtype=np.int64)
+    return pa.StringArray.from_buffers(len(idx), pa.py_buffer(offsets),
+                                       pa.py_buffer(data[gather]))
+
+
+@functools.lru_cache
+def _names(names: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(utf-8 bytes end to end, start, length of each name)."""
+    enc = [n.encode() for n in names]
+    length = np.array([len(b) for b in enc], np.int64)
+    start = np.concatenate([[0], np.cumsum(length)[:-1]]).astype(np.int64)
+    return np.frombuffer(b"".join(enc) or b"\0", np.uint8), start, length
+
+
+_NUMPY = {pa.int32(): np.int32, pa.int64(): np.int64, pa.uint64(): np.uint64,
+          pa.float64(): np.float64}
 
 
 def columnar(values: tuple | list, t: pa.DataType) -> object:

@@ -21,7 +21,9 @@ from tests.hardening.corpus import BASE, to_toml
 KVSIM = [sys.executable, "-c", "from sim.cli import main; main()"]
 
 
-def _big(tmp: Path, requests: int = 150) -> Path:
+def _big(tmp: Path, requests: int = 600) -> Path:
+    # big enough that a signal 0.2 s after the writer starts lands mid-run with room to spare
+    # (150 requests left ~0.3 s once the traced run got faster)
     sc = json.loads(json.dumps(BASE))
     sc["workload"] = {"synthetic": {
         "num_requests": requests, "qps": 50.0,
@@ -145,3 +147,23 @@ def test_killed_sweep_resumes_from_cache(tmp_path: Path) -> None:
     assert m is not None, r.stdout
     assert (int(m[1]), int(m[2])) == (6 - done, done)
     assert not [n for n in os.listdir(out) if ".tmp-" in n]
+
+
+def test_a_signal_whose_exception_was_swallowed_still_stops_the_run(tmp_path: Path,
+                                                                      prior) -> None:
+    """The CLI's handler notes the signal before raising: when the KeyboardInterrupt is dropped
+    (a signal during pyarrow's lazy `import pandas` was: the run then replaced the previous
+    trace and exited 0), the trace writer refuses to publish and the run unwinds as ^C."""
+    from sim import interrupt
+    from sim.api import load_scenario, run
+
+    out = _copy_prior(prior, tmp_path)
+    sc, base = load_scenario(prior[0])
+    interrupt.note()  # what the handler does; its exception never arrives
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(sc, out=out, base_dir=base)
+    finally:
+        interrupt.clear()
+    assert (out / "manifest.json").read_bytes() == prior[2]
+    assert not list(tmp_path.glob("trace.tmp-*"))

@@ -17,6 +17,10 @@ def note() -> None:
     _pending = True
 
 
+def pending() -> bool:
+    return _pending
+
+
 def check() -> None:
     """Raise KeyboardInterrupt if a signal was noted (and perhaps swallowed) earlier."""
     if _pending:

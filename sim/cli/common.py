@@ -32,11 +32,24 @@ def user_errors() -> Iterator[None]:
     try:
         yield
         interrupt.check()  # a signal some extension swallowed still ends the run as one
-    except KvsimError as e:
-        fail(str(e))
     except KeyboardInterrupt:
-        err_console.print("interrupted")
-        raise typer.Exit(130) from None
+        _interrupted()
+    except KvsimError as e:
+        if interrupt.pending():
+            _interrupted()
+        fail(str(e))
+    except Exception:
+        # A KeyboardInterrupt raised inside an extension's import comes out as some other
+        # error (pandas' Cython init turned one into SystemError or AttributeError): once a
+        # signal was noted, whatever unwound the run is its consequence.
+        if interrupt.pending() and not isinstance(sys.exc_info()[1], typer.Exit):
+            _interrupted()
+        raise
+
+
+def _interrupted() -> NoReturn:
+    err_console.print("interrupted")
+    raise typer.Exit(130) from None
 
 
 def _on_term(signum: int, frame: object) -> None:

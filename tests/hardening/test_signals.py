@@ -167,3 +167,29 @@ def test_a_signal_whose_exception_was_swallowed_still_stops_the_run(tmp_path: Pa
         interrupt.clear()
     assert (out / "manifest.json").read_bytes() == prior[2]
     assert not list(tmp_path.glob("trace.tmp-*"))
+
+
+@pytest.mark.parametrize("error", [SystemError, AttributeError])
+def test_an_error_a_signal_caused_exits_as_interrupted(error: type[Exception]) -> None:
+    """A SIGTERM landing in pandas' Cython module init (pyarrow imports it lazily) surfaced as
+    SystemError or AttributeError and the run exited 1 with a traceback (CI, stop 12): once a
+    signal was noted, the CLI reports any error that unwinds the run as the interrupt."""
+    import typer
+
+    from sim import interrupt
+    from sim.cli.common import user_errors
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(error):  # without a signal, a bug still shows as itself
+            with user_errors():
+                raise error("partially initialized module 'pandas'")
+        interrupt.note()
+        with pytest.raises(typer.Exit) as e:
+            with user_errors():
+                raise error("partially initialized module 'pandas'")
+        assert e.value.exit_code == 130
+    finally:
+        interrupt.clear()
+        for s, h in saved.items():
+            signal.signal(s, h)

@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("kvsim", "numpy", "numba", "pyarrow", "pydantic", "simpy", "hypothesis")
+PACKAGES = ("kvsim", "numpy", "numba", "pyarrow", "pydantic", "simpy", "hypothesis", "xxhash")
 
 
 def _git(*args: str) -> str:

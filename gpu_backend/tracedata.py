@@ -2,9 +2,9 @@
 
 The replay depends on the trace format only, never on the simulator's internals. The tables come
 from `sim.trace.reader.read_trace`, which validates the directory (manifest, version, counts,
-digest) and decodes format 2's delta-encoded page lists: the replay sees the logical tables of
-docs/trace.md whichever format_version the trace has (reading rows.parquet here with pyarrow
-would hand back format 2's stored page-list tails, not the page lists).
+digest with the version's hash) and decodes the delta-encoded page lists of formats 2 and 3: the
+replay sees the logical tables of docs/trace.md whichever format_version the trace has (reading
+rows.parquet here with pyarrow would hand back the stored page-list tails, not the page lists).
 """
 
 from __future__ import annotations

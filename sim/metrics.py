@@ -140,7 +140,7 @@ def _tokens(requests: pa.Table) -> Metrics:
 
 def load_trace_tables(trace_dir: str | Path) -> tuple[dict, dict[str, pa.Table]]:
     """(manifest, tables) of a trace directory: the logical tables of docs/trace.md (the reader
-    decodes format 2's page lists). Raises TraceError naming what is missing or broken."""
+    decodes formats 2 and 3's page lists). Raises TraceError naming what is missing or broken."""
     from sim.trace.reader import read_trace
 
     tr = read_trace(trace_dir)

@@ -1,9 +1,10 @@
 """Read a trace directory back (docs/trace.md), refusing anything that is not a whole trace.
 
-`table_digest` recomputes the trace's content digest (sim/trace/digest.py) from the tables as
-stored, to compare with the one the writer computed while streaming; only then are format 2's
-delta-encoded page lists decoded (sim/trace/delta.py). `Trace.tables` are always the logical
-tables (SCHEMAS), whichever format_version the directory has.
+`table_digest` recomputes the trace's content digest (sim/trace/digest.py: sha256 per column
+for formats 1 and 2, xxh3-128 for format 3) from the tables as stored, to compare with the one
+the writer computed while streaming; only then are the delta-encoded page lists of formats 2 and
+3 decoded (sim/trace/delta.py). `Trace.tables` are always the logical tables (SCHEMAS),
+whichever format_version the directory has.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sim.trace.records import (
     RowRecord,
     StepRecord,
 )
-from sim.trace.schema import ON_DISK, RECORDS, SCHEMAS, TABLES
+from sim.trace.schema import ON_DISK, RECORDS, STORED, TABLES
 
 _TMP_NAME = re.compile(r"\.tmp-[0-9]+$")  # TraceWriter's DIR.tmp-<pid>
 # The checker allocates per KV slot and per block; the same bounds as a scenario's (sim.config).
@@ -41,17 +42,18 @@ class Trace:
     tables: dict[str, pa.Table]  # name -> table in its fixed schema
 
 
-def table_digest(tables: list[pa.Table], schemas: dict[str, pa.Schema] = SCHEMAS) -> str:
-    """sha256 hex over the tables in TABLES order (steps, rows, requests, blocks, violations),
-    as stored: `schemas` is ON_DISK[format_version] (the default: format 1, where the stored
-    tables are the logical ones).
+def table_digest(tables: list[pa.Table], version: int) -> str:
+    """The digest (hex) of format_version `version` over the tables in TABLES order (steps, rows,
+    requests, blocks, violations), as stored: in the schemas ON_DISK[version] (format 1: the
+    logical tables; 2 and 3: rows with its delta-encoded page lists), with that version's hash.
 
     Column names, types and values count; chunking, column order and metadata do not
     (sim/trace/digest.py: the writer computes the same digest as it streams).
     """
+    schemas = ON_DISK[version]
     parts = []
     for name, table in zip(TABLES, tables, strict=True):
-        d = TableDigest(name, schemas[name])
+        d = TableDigest(name, schemas[name], version)
         d.update(_conform(table, schemas[name], name))
         parts.append(d.hexdigest())
     return combine(parts)
@@ -66,18 +68,19 @@ def read_trace(path: str | Path) -> Trace:
     if not root.is_dir():
         raise TraceError(f"{root}: trace directory does not exist")
     manifest = _read_manifest(root / "manifest.json")
-    schemas = ON_DISK[manifest["format_version"]]
+    version = manifest["format_version"]
+    schemas = ON_DISK[version]
     tables = {name: _read_table(root / f"{name}.parquet", schemas[name]) for name in TABLES}
     for name, t in tables.items():
         want = manifest.get("counts", {}).get(name)
         if want is not None and want != t.num_rows:
             raise TraceError(f"{root / f'{name}.parquet'}: {t.num_rows} rows but manifest "
                              f"counts.{name} is {want}")
-    got = table_digest([tables[n] for n in TABLES], schemas)
+    got = table_digest([tables[n] for n in TABLES], version)
     if got != manifest.get("digest"):
         raise TraceError(f"{root}: digest mismatch: manifest.json says {manifest.get('digest')}, "
                          f"the tables hash to {got}")
-    if manifest["format_version"] == 2:  # decode only what the digest vouched for
+    if schemas is STORED:  # formats 2 and 3: decode only what the digest vouched for
         tables["rows"] = decode_rows(tables["rows"], str(root / "rows.parquet"))
     return Trace(root, manifest, tables)
 
@@ -99,7 +102,7 @@ def _read_manifest(file: Path) -> dict[str, Any]:
     if not isinstance(manifest.get("counts", {}), dict):
         raise TraceError(f"{file}: \"counts\" must be an object of table -> rows")
     if not isinstance(manifest.get("digest"), str):
-        raise TraceError(f"{file}: \"digest\" must be the sha256 hex string of the tables")
+        raise TraceError(f"{file}: \"digest\" must be the hex digest string of the tables")
     return manifest
 
 

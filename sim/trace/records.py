@@ -8,8 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FORMAT_VERSION = 2  # what the writer writes
-READABLE_VERSIONS = (1, 2)  # what the readers accept (1: rows.parquet stores whole page lists)
+FORMAT_VERSION = 3  # what the writer writes
+# what the readers accept. 1: rows.parquet stores whole page lists; 2: delta-encoded page lists
+# (sim/trace/delta.py); 3: as 2, with an xxh3-128 content digest instead of sha256 (digest.py)
+READABLE_VERSIONS = (1, 2, 3)
 
 
 @dataclass(frozen=True, slots=True)

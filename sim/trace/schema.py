@@ -1,7 +1,8 @@
 """Arrow schemas of the trace tables, derived from the record dataclasses (one source of truth).
 
-`SCHEMAS` are the logical tables everything downstream sees; `STORED` is what format_version 2
-puts on disk: rows.parquet adds the columns of its delta-encoded page lists (sim/trace/delta.py).
+`SCHEMAS` are the logical tables everything downstream sees; `STORED` is what format_versions 2
+and 3 put on disk: rows.parquet adds the columns of its delta-encoded page lists
+(sim/trace/delta.py). Formats 2 and 3 store the same; only their digest's hash differs.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ TABLES = tuple(SCHEMAS)  # order of the digest
 DELTA_COLUMNS = ("prev_row", "pages_keep", "alloc_keep")
 STORED: dict[str, pa.Schema] = dict(SCHEMAS, rows=pa.schema(
     [*SCHEMAS["rows"], *(pa.field(c, pa.int64(), nullable=False) for c in DELTA_COLUMNS)]))
-ON_DISK = {1: SCHEMAS, 2: STORED}  # format_version -> the schemas of its files
+ON_DISK = {1: SCHEMAS, 2: STORED, 3: STORED}  # format_version -> the schemas of its files
 assert tuple(ON_DISK) == READABLE_VERSIONS, "a readable format_version without its schemas"
 RECORDS = {"steps": StepRecord, "rows": RowRecord, "requests": RequestRecord,
            "blocks": BlockEvent, "violations": Violation}

@@ -100,11 +100,12 @@ class TraceWriter:
         self.counts = dict.fromkeys(TABLES, 0)
         self.batches: dict[str, list[pa.RecordBatch]] = {n: [] for n in TABLES}
         self.pending = {n: [0, 0] for n in TABLES}  # rows and bytes of self.batches[n]
-        # over what is stored: the rows table's page lists delta-encoded, small
-        self.digests = {n: TableDigest(n, STORED[n]) for n in TABLES}
+        # over what is stored: the rows table's page lists delta-encoded, small; with the hash
+        # of the format_version the manifest will name
+        self.digests = {n: TableDigest(n, STORED[n], FORMAT_VERSION) for n in TABLES}
         self.encoder = RowEncoder()
-        # Parquet encoding and the digest run on a second thread (Arrow and hashlib release the
-        # GIL): the simulation goes on meanwhile. Bounded, so a slow disk throttles the run,
+        # Parquet encoding and the digest run on a second thread (Arrow and the hashes release
+        # the GIL): the simulation goes on meanwhile. Bounded, so a slow disk throttles the run,
         # not memory.
         self.q: queue.Queue = queue.Queue(maxsize=4)
         self.error: BaseException | None = None

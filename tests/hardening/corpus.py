@@ -328,9 +328,12 @@ def trace_mutations() -> Iterator[tuple[str, Mutator, str]]:
     yield "manifest-array", _write(m, b"[1, 2]"), m
     yield "manifest-non-utf8", _write(m, b'{"complete": true, "x": "\xff"}'), m
     yield "manifest-empty", _write(m, b""), m
-    for v in (3, 0, "2", None):  # readable: 1 and 2 (ints)
+    for v in (4, 0, "3", None):  # readable: 1, 2 and 3 (ints)
         yield f"format_version={v}", _edit_manifest(_setitem(("format_version",), v)), \
             "format_version"
+    for v in (1, 2):  # readable, but the trace is format 3: its digest is not theirs
+        yield f"format_version={v}-of-a-3", _edit_manifest(_setitem(("format_version",), v)), \
+            "digest"
     yield "format_version-missing", _edit_manifest(_delitem("format_version")), "format_version"
     yield "digest-mismatch", _edit_manifest(_setitem(("digest",), "0" * 64)), "digest"
     yield "digest-missing", _edit_manifest(_delitem("digest")), "digest"

@@ -10,6 +10,7 @@ import pytest
 from sim.fast import fields as fl
 from sim.fast.columns import _positions_of, _pylist, positions, ranges
 from sim.trace.digest import TableDigest
+from sim.trace.records import FORMAT_VERSION
 from sim.trace.writer import columnar_arrow, strings
 
 _NAMES = ("alloc", "free", "done")  # names of different lengths
@@ -17,7 +18,7 @@ _NAMES = ("alloc", "free", "done")  # names of different lengths
 
 def _digest(col: pa.Array) -> str:
     schema = pa.schema([pa.field("event", pa.string(), nullable=False)])
-    d = TableDigest("blocks", schema)
+    d = TableDigest("blocks", schema, FORMAT_VERSION)
     d.update(pa.table({"event": col}, schema=schema))
     return d.hexdigest()
 

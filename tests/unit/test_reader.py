@@ -13,7 +13,9 @@ from test_check_support import MODEL, Events, ctx, gen, step
 
 from sim.check.offline import check_trace
 from sim.errors import TraceError
-from sim.trace.reader import SCHEMAS, TABLES, iter_records, read_trace, table_digest
+from sim.trace.reader import iter_records, read_trace, table_digest
+from sim.trace.records import READABLE_VERSIONS
+from sim.trace.schema import ON_DISK, SCHEMAS, TABLES
 
 
 def _table(name: str, recs: list) -> pa.Table:
@@ -40,7 +42,7 @@ def write(root: Path, recs: dict[str, list] | None = None, **manifest: object) -
         pq.write_table(t, root / f"{n}.parquet")
     man = {"format_version": 1, "kvsim_version": "0.1.0", "model": MODEL, "seed": 0,
            "counts": {n: t.num_rows for n, t in tables.items()}, "violations": 0,
-           "digest": table_digest([tables[n] for n in TABLES]), "complete": True}
+           "digest": table_digest([tables[n] for n in TABLES], 1), "complete": True}
     man.update(manifest)
     (root / "manifest.json").write_text(json.dumps(man))
     return root
@@ -63,20 +65,21 @@ def test_replay_reports_what_the_records_show(tmp_path: Path) -> None:
                                         "committed 6 + 2 written = 8"]
 
 
-def test_digest_ignores_chunking_but_not_values() -> None:
+@pytest.mark.parametrize("version", READABLE_VERSIONS)
+def test_digest_ignores_chunking_but_not_values(version: int) -> None:
     t = _table("steps", [step(0), step(1)])
-    empty = [_table(n, []) for n in TABLES[1:]]
+    empty = [ON_DISK[version][n].empty_table() for n in TABLES[1:]]
     chunked = pa.concat_tables([t.slice(0, 1), t.slice(1)])
-    assert table_digest([t, *empty]) == table_digest([chunked, *empty])
+    assert table_digest([t, *empty], version) == table_digest([chunked, *empty], version)
     other = _table("steps", [step(0), step(2)])
-    assert table_digest([t, *empty]) != table_digest([other, *empty])
+    assert table_digest([t, *empty], version) != table_digest([other, *empty], version)
 
 
 @pytest.mark.parametrize("breakage, message", [
     ("nodir", "trace directory does not exist"),
     ("nomanifest", "manifest.json is missing: not a trace, or one whose writing never finished"),
     ("partial", "manifest.json lacks \"complete\": true: the trace was not finished"),
-    ("version", "manifest.json: format_version 3, this kvsim reads 1 or 2"),
+    ("version", "manifest.json: format_version 4, this kvsim reads 1 or 2 or 3"),
     ("notable", "rows.parquet is missing"),
     ("truncated", "rows.parquet is unreadable (truncated or corrupt)"),
     ("column", "rows.parquet lacks columns ['pages']"),
@@ -86,7 +89,7 @@ def test_digest_ignores_chunking_but_not_values() -> None:
 def test_refusals(tmp_path: Path, breakage: str, message: str) -> None:
     root = tmp_path / "t"
     if breakage != "nodir":
-        write(root, **{"partial": {"complete": False}, "version": {"format_version": 3},
+        write(root, **{"partial": {"complete": False}, "version": {"format_version": 4},
                        "count": {"counts": {"rows": 3}}, "digest": {"digest": "00"}}
               .get(breakage, {}))
     man = root / "manifest.json"

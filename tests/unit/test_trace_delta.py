@@ -1,4 +1,4 @@
-"""rows.parquet's delta-encoded page lists (trace format_version 2, sim/trace/delta.py).
+"""rows.parquet's delta-encoded page lists (trace format_versions 2 and 3, sim/trace/delta.py).
 
 The encoder is held to a Python model of the rule (prev_row = the request's previous row within
 WINDOW, keep = common prefix) however the rows are batched; decoding gives back the logical
@@ -25,7 +25,7 @@ from sim.api import load_scenario, run
 from sim.errors import TraceError
 from sim.trace.delta import RowEncoder, decode_rows
 from sim.trace.reader import read_trace, table_digest
-from sim.trace.records import RowRecord
+from sim.trace.records import FORMAT_VERSION, RowRecord
 from sim.trace.schema import SCHEMAS, STORED, TABLES
 from sim.trace.writer import TraceWriter, columnar, columnar_arrow
 
@@ -187,7 +187,7 @@ def test_writer_round_trip_and_one_digest_however_the_rows_came(tmp_path_factory
     batches = _batches([c for c in cuts if c <= len(rows)], rows)
     a = read_trace(_write(tmp / "columns", batches, records=False))
     b = read_trace(_write(tmp / "records", [rows], records=True))
-    assert a.manifest["format_version"] == 2
+    assert a.manifest["format_version"] == FORMAT_VERSION == 3
     assert a.manifest["digest"] == b.manifest["digest"]
     assert a.tables["rows"].column("pages").to_pylist() == [p for _, p, _ in rows]
     assert a.tables["rows"].column("alloc").to_pylist() == [al for _, _, al in rows]
@@ -209,7 +209,7 @@ def _trace_v2(root: Path, prev: list[int], kp: list[int], request: list[int]) ->
     (root / "manifest.json").write_text(json.dumps({
         "format_version": 2, "model": MODEL, "complete": True,
         "counts": {n: t.num_rows for n, t in tables.items()},
-        "digest": table_digest([tables[n] for n in TABLES], STORED)}))
+        "digest": table_digest([tables[n] for n in TABLES], 2)}))
     return root
 
 
@@ -256,23 +256,28 @@ def _vidur(n: int):  # type: ignore[no-untyped-def]
     return sc.model_copy(update={"workload": wl}), base
 
 
-def _as_v1(src: Path, out: Path) -> Path:
-    """The same trace in format 1: the logical tables stored as they are."""
-    tables = read_trace(src).tables
+def _as_older(src: Path, out: Path, version: int) -> Path:
+    """The same trace in an older format: 1 stores the logical tables as they are; 2 stores
+    what 3 stores (the same tables), under a sha256 digest."""
+    tables = (read_trace(src).tables if version == 1 else
+              {n: pq.read_table(src / f"{n}.parquet") for n in TABLES})
     out.mkdir()
     for n in TABLES:
         pq.write_table(tables[n], out / f"{n}.parquet")
     man = json.loads((src / "manifest.json").read_text())
-    man.update(format_version=1, digest=table_digest([tables[n] for n in TABLES]))
+    man.update(format_version=version, digest=table_digest([tables[n] for n in TABLES], version))
     (out / "manifest.json").write_text(json.dumps(man))
     return out
 
 
-def test_format_1_reads_to_the_same_logical_tables(tmp_path):
+@pytest.mark.parametrize("version", [1, 2])
+def test_older_formats_read_to_the_same_logical_tables(tmp_path, version):
     sc, base = _vidur(20)
-    v2 = run(sc, out=tmp_path / "v2", base_dir=base, collect=False).trace_dir
-    a, b = read_trace(v2), read_trace(_as_v1(v2, tmp_path / "v1"))  # type: ignore[arg-type]
-    assert (a.manifest["format_version"], b.manifest["format_version"]) == (2, 1)
+    new = run(sc, out=tmp_path / "new", base_dir=base, collect=False).trace_dir
+    old = _as_older(new, tmp_path / f"v{version}", version)  # type: ignore[arg-type]
+    a, b = read_trace(new), read_trace(old)  # type: ignore[arg-type]
+    assert (a.manifest["format_version"], b.manifest["format_version"]) == (3, version)
+    assert a.manifest["digest"] != b.manifest["digest"]  # another hash (and, for 1, tables)
     assert a.tables["rows"].num_rows > 100
     for n in TABLES:
         assert a.tables[n].equals(b.tables[n]), n

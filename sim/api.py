@@ -107,7 +107,7 @@ class _Sink:
         if self.writer is not None:
             self.writer.add_columns("steps", ch.steps)
             if ch.rows:
-                self.writer.add_columns("rows", ch.rows)
+                self.writer.add_columns("rows", ch.rows, encoded=ch.rows_encoded)
             self.writer.add_columns("blocks", ch.blocks)
             self.writer.add_columns("requests", ch.requests)
         used = ch.steps["blocks_used"]
@@ -225,7 +225,8 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
         sink = _Sink(sc, writer, None, on_progress, collect, compiled)
         detail = writer is not None or check
         if fast:
-            feng = FastEngine(sc, sw, specs, sink.on_chunk, detail)
+            # without the checker, only the writer takes the rows: stored as they go on disk
+            feng = FastEngine(sc, sw, specs, sink.on_chunk, detail, delta=not check)
             feng.run()
             sink.finish_chunks()
             raised = feng.violations

@@ -29,6 +29,9 @@ class Chunk:
     blocks: dict[str, np.ndarray]  # phase and event: Arrow strings
     requests: dict[str, object]
     spare_slots: np.ndarray  # per step: reserved - committed - new over rows (kv series)
+    # rows' pages and alloc are stored tails plus DELTA_COLUMNS (FastEngine delta: the trace
+    # writer stores them as they are), not whole lists
+    rows_encoded: bool = False
 
 
 @nb.njit(cache=True, nogil=True)
@@ -84,21 +87,24 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
             "step": W[:, fl.W_STEP], "row": W[:, fl.W_ROW], "request": W[:, fl.W_REQ],
             "phase": strings(W[:, fl.W_PHASE], _PHASE), "q_len": q, "draft_len": zeros,
             "first_gen": false, "prev_in_flight": false,
-            "pages": _listcol(eng.PG, W[:, fl.W_NPAGES]), "kv_indptr": W[:, fl.W_KVINDPTR],
+            "pages": _listcol(eng.PG, W[:, fl.W_PTAIL]), "kv_indptr": W[:, fl.W_KVINDPTR],
             "last_page_len": W[:, fl.W_LPL], "kv_len": W[:, fl.W_KVLEN],
             "append_pos": append, "rope_pos": rope,
             "cached_host": W[:, fl.W_CACHED_HOST], "kv_len_host": W[:, fl.W_KVLEN_HOST],
-            "committed": W[:, fl.W_COMMIT], "alloc": _listcol(eng.AL, W[:, fl.W_NALLOC]),
+            "committed": W[:, fl.W_COMMIT], "alloc": _listcol(eng.AL, W[:, fl.W_ATAIL]),
             "reserved": W[:, fl.W_RESERVED], "shared_blocks": zeros,
             "tokens": _listcol(eng.TK, W[:, fl.W_NTOK]), "accepted": W[:, fl.W_ACCEPTED],
             "new_tokens": W[:, fl.W_NEW], "prev_new_tokens": W[:, fl.W_PREVNEW],
             "max_pos": np.full(n, eng.max_pos, np.int64)}
+        if eng.delta:
+            rows |= {"prev_row": W[:, fl.W_PREV], "pages_keep": W[:, fl.W_PKEEP],
+                     "alloc_keep": W[:, fl.W_AKEEP]}
     blocks = {
         "step": E[:, 0], "phase": strings(E[:, 1], _EV_PHASE), "seq": E[:, 2],
         "event": strings(E[:, 3], fl.EVENTS),
         "block": E[:, 4], "request": E[:, 5], "refcount": E[:, 6], "src": E[:, 7],
         "num_tokens": np.zeros(len(E), np.int64), "hash": np.zeros(len(E), np.uint64)}
-    return Chunk(steps, rows, blocks, _requests(eng, D), S[:, 17].copy())
+    return Chunk(steps, rows, blocks, _requests(eng, D), S[:, 17].copy(), eng.delta)
 
 
 def _positions_of(W: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:

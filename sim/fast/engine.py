@@ -18,6 +18,7 @@ from sim.fast.columns import Chunk, chunk_of, violations_of
 from sim.fast.kernel import loop
 from sim.profiles import Switches
 from sim.spec import Acceptance
+from sim.trace import delta as trace_delta
 from sim.trace.records import Violation
 from sim.workload import RequestSpec
 
@@ -41,12 +42,14 @@ def supports(sc: Scenario, sw: Switches) -> str | None:
 
 class FastEngine:
     def __init__(self, sc: Scenario, sw: Switches, specs: Iterator[RequestSpec],
-                 on_chunk: Callable[[Chunk], None], detail: bool) -> None:
+                 on_chunk: Callable[[Chunk], None], detail: bool, delta: bool = False) -> None:
         seeds = np.random.SeedSequence(sc.seed).spawn(3)  # as Engine: same streams, same draws
         self.acc = Acceptance(sc.spec.acceptance, np.random.default_rng(seeds[0]))
         self.tok_rng = np.random.default_rng(seeds[1])
         self.sc, self.sw, self.specs, self.on_chunk = sc, sw, specs, on_chunk
         self.detail = detail
+        # rows' page lists as rows.parquet stores them (only the trace writer takes them so)
+        self.delta = detail and delta
         self.B = B = sc.cache.tokens_per_block
         self.max_pos = min(sc.model.max_position_embeddings, sc.blocks_per_seq * B)
         self.num_usable = sc.cache.num_blocks - (1 if sw.null_block else 0)
@@ -78,6 +81,7 @@ class FastEngine:
         cfg[fl.C_STEP_BASE], cfg[fl.C_NS_TOK], cfg[fl.C_NS_KV] = (
             c.step_base_ns, c.ns_per_token, c.ns_per_kv_token)
         cfg[fl.C_HOST_BASE], cfg[fl.C_HOST_ROW] = c.host_base_ns, c.host_ns_per_row
+        cfg[fl.C_DELTA], cfg[fl.C_WINDOW] = self.delta, trace_delta.WINDOW
         return cfg
 
     def _alloc_state(self) -> None:
@@ -93,12 +97,15 @@ class FastEngine:
         self.cap = 0
         self.R = np.zeros((0, fl.NF), np.int64)
         self.T = np.zeros((0, self.width), np.int64)
+        # each slot's last row's pages and alloc; int32 like flat and the trace: bytes are time
+        self.LP = np.zeros((0, self.width), np.int32)
+        self.LA = np.zeros((0, self.width), np.int32)
         self.run_q = np.zeros(0, np.int64)
         self.wait = np.zeros(0, np.int64)
         self.slots = np.zeros(0, np.int64)
         self._grow(max(256, 2 * sc.scheduler.max_batch_size))
         # FlashInfer's flat kv_indices buffer: never cleared, read past what a row copied
-        self.flat = np.full(2 * sc.scheduler.max_batch_size * self.width, -1, np.int64)
+        self.flat = np.full(2 * sc.scheduler.max_batch_size * self.width, -1, np.int32)
         self.seen = np.zeros(sc.scheduler.max_batch_size + 2, np.int64)
         self.AR = np.zeros((0, 6), np.int64)
         self.toks = np.zeros(_TOKENS, np.int32)
@@ -110,7 +117,8 @@ class FastEngine:
         R = np.zeros((cap, fl.NF), np.int64)
         R[:old] = self.R
         T = np.zeros((cap, self.width), np.int64)
-        T[:old] = self.T
+        LP, LA = (np.zeros((cap, self.width), np.int32) for _ in range(2))
+        T[:old], LP[:old], LA[:old] = self.T, self.LP, self.LA
         run_q = np.zeros(cap, np.int64)
         run_q[:old] = self.run_q
         wait = np.zeros(cap, np.int64)
@@ -123,6 +131,7 @@ class FastEngine:
         slots = np.concatenate([np.arange(cap - 1, old - 1, -1), free]).astype(np.int64)
         G[fl.G_NSLOT] = len(slots)
         self.R, self.T, self.run_q, self.wait, self.slots, self.cap = R, T, run_q, wait, slots, cap
+        self.LP, self.LA = LP, LA
 
     def _alloc_buffers(self) -> None:
         """Output buffers: a nominal size plus the room one more iteration may need, so the
@@ -218,10 +227,10 @@ class FastEngine:
             if G[fl.G_MORE] and (G[fl.G_AI] == G[fl.G_AN]
                                  or self.AR[G[fl.G_AN] - 1, 1] <= G[fl.G_NOW]):
                 self._refill()
-            code = loop(self.G, self.K, self.cfg, self.room, self.R, self.T, self.run_q,
-                           self.wait, self.pool, self.slots, self.flat, self.toks, self.seen,
-                           self.AR, self.S, self.W, self.PG, self.AL, self.TK, self.E, self.D,
-                           self.V)
+            code = loop(self.G, self.K, self.cfg, self.room, self.R, self.T, self.LP, self.LA,
+                        self.run_q, self.wait, self.pool, self.slots, self.flat, self.toks,
+                        self.seen, self.AR, self.S, self.W, self.PG, self.AL, self.TK, self.E,
+                        self.D, self.V)
             self._drain(full=code != fl.NEED_ARRIVALS)
             if code == fl.DONE:
                 break

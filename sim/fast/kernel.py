@@ -46,6 +46,7 @@ def _arrive(G, K, D, R, wait, slots, AR, cfg):  # type: ignore[no-untyped-def]
         R[s, fl.F_PREVNEW], R[s, fl.F_FIRST], R[s, fl.F_FIN] = -1, -1, -1
         R[s, fl.F_LIM] = min(a[2] + a[3], cfg[fl.C_MAXSEQ])
         R[s, fl.F_BTC] = _cdiv(R[s, fl.F_LIM], cfg[fl.C_B])  # blocks to completion, no headroom
+        R[s, fl.F_LROW] = -1  # no row in the trace yet
         if a[5]:  # Processor._unservable: rejected on arrival, emitted at once
             R[s, fl.F_STATE], R[s, fl.F_REASON], R[s, fl.F_FIN] = fl.S_FIN, 3, a[1]
             _done(K, D, R, s)
@@ -170,6 +171,65 @@ def _after_schedule(G, K, E, R, T, run, wait, pool, cfg):  # type: ignore[no-unt
 
 
 @nb.njit(cache=True)
+def _page_lists(G, K, W, PG, AL, R, T, LP, LA, flat, cfg, bs, r0, n):  # type: ignore
+    """The step's rows' `pages` and `alloc` into PG and AL: whole, or (cfg C_DELTA, a trace
+    without the checker) as rows.parquet stores them, the tail after the prefix shared with
+    the request's previous row. That is RowEncoder's rule (sim/trace/delta.py) on the row
+    sequence, computed here against LP/LA, each slot's last lists, instead of writing ~600M
+    page ids per 10k requests out whole for the encoder to compare and drop again.
+
+    Flat arrays and offsets, not row slices: each slice is a reference-counted view, and a
+    few per row cost more than the work (most rows compare nothing and copy 0-1 ids)."""
+    delta, xqa, width = cfg[fl.C_DELTA], cfg[fl.C_BACKEND] == fl.XQA, T.shape[1]
+    t_all, lp_all, la_all = T.reshape(-1), LP.reshape(-1), LA.reshape(-1)
+    scratch = np.full(width, -1, np.int32)
+    for i in range(n):
+        s, w = bs[i], W[r0 + i]
+        nbk, a = w[fl.W_NPAGES], w[fl.W_NALLOC]
+        ordinal, last = G[fl.G_ROWS], R[s, fl.F_LROW]
+        ok = delta != 0 and last >= 0 and ordinal - last <= cfg[fl.C_WINDOW]
+        w[fl.W_PREV] = last if ok else -1
+        # below `same`, the last row's lists were T's and T is unchanged: nothing to compare
+        same = min(R[s, fl.F_TLOW], R[s, fl.F_LPN], R[s, fl.F_LAN]) if ok else 0
+        if xqa:  # the block table row: own pages, then -1
+            own = min(nbk, a)
+            scratch[:own] = T[s, :own]
+            scratch[own:nbk] = -1
+            src, at = scratch, 0
+        else:  # FlashInfer reads kv_indices from kv_indptr on, past its own pages if nbk > own
+            src, at = flat, w[fl.W_KVINDPTR]
+        kp = _put(src, at, nbk, lp_all, s * width, R[s, fl.F_LPN], same, ok, delta, PG,
+                  K[fl.K_PG])
+        ka = _put(t_all, s * width, a, la_all, s * width, R[s, fl.F_LAN], same, ok, delta, AL,
+                  K[fl.K_AL])
+        K[fl.K_PG] += nbk - kp
+        K[fl.K_AL] += a - ka
+        w[fl.W_PKEEP], w[fl.W_AKEEP], w[fl.W_PTAIL], w[fl.W_ATAIL] = kp, ka, nbk - kp, a - ka
+        R[s, fl.F_LROW], R[s, fl.F_LPN], R[s, fl.F_LAN] = ordinal, nbk, a
+        R[s, fl.F_TLOW] = width
+        G[fl.G_ROWS] = ordinal + 1
+
+
+@nb.njit(cache=True)
+def _put(src, at, n, last, lat, n_last, same, ok, delta, out, o):  # type: ignore
+    """List src[at:at+n] into out[o:], after the prefix it shares with last[lat:lat+n_last]
+    (only if ok: else whole), known to share at least `same`; with delta, it becomes last.
+    Returns the shared prefix's length."""
+    k = 0
+    if ok:
+        m = min(n_last, n)
+        k = min(same, m)
+        while k < m and last[lat + k] == src[at + k]:
+            k += 1
+    for j in range(k, n):
+        out[o + j - k] = src[at + j]
+    if delta:
+        for j in range(k, n):
+            last[lat + j] = src[at + j]
+    return k
+
+
+@nb.njit(cache=True)
 def _plan(G, cfg, seen, gen_w, batch):  # type: ignore[no-untyped-def]
     """MetadataBuilder.plan -> (plan_q_len, plan_cache_size)."""
     key = cfg[fl.C_PLANKEY]
@@ -184,8 +244,8 @@ def _plan(G, cfg, seen, gen_w, batch):  # type: ignore[no-untyped-def]
 
 
 @nb.njit(cache=True)
-def _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart, bn, nc, ng,
-            t_sched):  # type: ignore[no-untyped-def]
+def _launch(G, K, E, S, W, PG, AL, TK, R, T, LP, LA, flat, toks, seen, cfg, bs, bstart, bn,
+            nc, ng, t_sched):  # type: ignore[no-untyped-def]
     """Engine._launch + build_rows: the step's rows (engine metadata next to device truth)."""
     B, k, n = cfg[fl.C_B], G[fl.G_STEP], nc + ng
     detail = cfg[fl.C_DETAIL]
@@ -219,13 +279,8 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart, 
         w[fl.W_ACCEPTED] = -1 if i < nc else 0
         w[fl.W_PREVNEW] = -1 if i < nc else R[s, fl.F_PREVNEW]
         w[fl.W_NPAGES], w[fl.W_NALLOC], w[fl.W_NTOK] = nbk, R[s, fl.F_A], q
-        if cfg[fl.C_BACKEND] == fl.XQA:  # block table row: own pages, then -1
+        if cfg[fl.C_BACKEND] == fl.XQA:  # block table row: own pages, then -1 (_page_lists)
             w[fl.W_KVINDPTR] = 0
-            if detail:
-                p = K[fl.K_PG]
-                PG[p:p + own] = T[s, :own]
-                PG[p + own:p + nbk] = -1
-                K[fl.K_PG] = p + nbk
         else:
             w[fl.W_KVINDPTR] = indptr
             if detail:
@@ -233,9 +288,6 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart, 
             pos += own
             indptr += nbk
         if detail:
-            a = K[fl.K_AL]
-            AL[a:a + R[s, fl.F_A]] = T[s, :R[s, fl.F_A]]
-            K[fl.K_AL] = a + R[s, fl.F_A]
             t = K[fl.K_TK]
             TK[t:t + q] = toks[R[s, fl.F_TOK] + c:R[s, fl.F_TOK] + c + q]
             K[fl.K_TK] = t + q
@@ -249,10 +301,8 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart, 
             R[s, fl.F_GSTEPS] += 1
         elif R[s, fl.F_CTXPOS] >= R[s, fl.F_PREFILL]:
             R[s, fl.F_STATE] = fl.S_GEN
-    if detail and cfg[fl.C_BACKEND] != fl.XQA:  # the rows read the flat buffer through kv_indptr
-        p = K[fl.K_PG]
-        PG[p:p + indptr] = flat[:indptr]
-        K[fl.K_PG] = p + indptr
+    if detail:  # once every row is in flat: a row reads past its own pages through kv_indptr
+        _page_lists(G, K, W, PG, AL, R, T, LP, LA, flat, cfg, bs, r0, n)
     K[fl.K_R] = r0 + n
     now = G[fl.G_NOW]
     start = max(now, G[fl.G_DEVFREE])
@@ -305,7 +355,7 @@ def _process(G, K, E, D, V, W, R, T, run, pool, slots, cfg, bs, r0, n):  # type:
 # nogil: one call runs ~8 ms of nopython code; holding the GIL that long stalls the trace
 # writer's thread (Parquet encoding, the digest) between its calls into Arrow and hashlib.
 @nb.njit(cache=True, nogil=True)
-def loop(G, K, cfg, room, R, T, run, wait, pool, slots, flat, toks, seen, AR,
+def loop(G, K, cfg, room, R, T, LP, LA, run, wait, pool, slots, flat, toks, seen, AR,
          S, W, PG, AL, TK, E, D, V):  # type: ignore[no-untyped-def]
     """Engine._loop (overlap off). Returns DONE, NEED_ARRIVALS or FLUSH (buffers nearly full:
     `room` holds the headroom one more iteration needs in each output buffer)."""
@@ -343,8 +393,8 @@ def loop(G, K, cfg, room, R, T, run, wait, pool, slots, flat, toks, seen, AR,
             continue
         G[fl.G_STALL] = -1
         G[fl.G_NOW] += cfg[fl.C_HOST_BASE] + cfg[fl.C_HOST_ROW] * (nc + ng)
-        r0, end = _launch(G, K, E, S, W, PG, AL, TK, R, T, flat, toks, seen, cfg, bs, bstart,
-                          bn, nc, ng, t_sched)
+        r0, end = _launch(G, K, E, S, W, PG, AL, TK, R, T, LP, LA, flat, toks, seen, cfg, bs,
+                          bstart, bn, nc, ng, t_sched)
         if end > G[fl.G_NOW]:
             G[fl.G_NOW] = end
         _process(G, K, E, D, V, W, R, T, run, pool, slots, cfg, bs, r0, nc + ng)

@@ -31,6 +31,7 @@ def _allocate(G, K, E, cfg, pool, T, R, s, n):  # type: ignore[no-untyped-def]
     if n > G[fl.G_PLEN]:
         return False
     N = pool.shape[0]
+    R[s, fl.F_TLOW] = min(R[s, fl.F_TLOW], R[s, fl.F_A])
     for _ in range(n):
         b = pool[G[fl.G_PHEAD]]
         G[fl.G_PHEAD] = (G[fl.G_PHEAD] + 1) % N

@@ -1,4 +1,4 @@
-"""Delta-encoded page lists of rows.parquet (trace format_version 2, docs/trace.md).
+"""Delta-encoded page lists of rows.parquet (trace format_version 2 and 3, docs/trace.md).
 
 Every decode row repeats its request's whole page table: ~600M page ids per 10k requests of
 workload (a), which Parquet encodes at ~7-9 ns an id. On disk a row therefore keeps only what
@@ -9,6 +9,8 @@ changed since an earlier row of the same request:
 for `pages` (keep: `pages_keep`) and `alloc` (`alloc_keep`). `RowEncoder` picks prev_row = the
 request's previous row, if it is at most WINDOW rows back; `decode_rows` accepts any earlier row
 of the same request and validates every reference first (numba does not bounds-check).
+The fast engine's kernel applies the same rule itself when nothing else needs whole lists
+(sim/fast/kernel.py `_page_lists`): both engines store the same table.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def _span(p, m, c_off, c_vals, off, vals):  # type: ignore[no-untyped-def]
 
 
 @nb.njit(cache=True)
-def _common(x, y):  # type: ignore[no-untyped-def]
+def common_prefix(x, y):  # type: ignore[no-untyped-def]
     """Length of the common prefix of x and y (as long as each other). Usually all of it (a
     decode row's list is its previous row's, plus a page at times): one pass the compiler
     vectorizes settles that, the id-by-id scan runs only when they differ. Slices indexed from
@@ -128,7 +130,7 @@ def _encode(prev, m, c_off, c_vals, off, vals):  # type: ignore[no-untyped-def]
         if prev[i] >= 0:
             src, s, e = _span(prev[i], m, c_off, c_vals, off, vals)
             n_both = min(e - s, b - a)
-            k = _common(src[s:s + n_both], vals[a:a + n_both])
+            k = common_prefix(src[s:s + n_both], vals[a:a + n_both])
         keep[i] = k
         t_off[i + 1] = t_off[i] + b - a - k
     t_vals = np.empty(t_off[n], np.int32)

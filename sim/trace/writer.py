@@ -104,6 +104,7 @@ class TraceWriter:
         # of the format_version the manifest will name
         self.digests = {n: TableDigest(n, STORED[n], FORMAT_VERSION) for n in TABLES}
         self.encoder = RowEncoder()
+        self.rows_encoded: bool | None = None  # who encodes the rows (add_columns `encoded`)
         # Parquet encoding and the digest run on a second thread (Arrow and the hashes release
         # the GIL): the simulation goes on meanwhile. Bounded, so a slow disk throttles the run,
         # not memory.
@@ -146,13 +147,14 @@ class TraceWriter:
         for e in events:
             self.add("blocks", e)
 
-    def add_columns(self, table: str, cols: Mapping[str, object]) -> None:
+    def add_columns(self, table: str, cols: Mapping[str, object], encoded: bool = False) -> None:
         """A batch already in columns (the fast engine): numpy arrays, Arrow arrays, or
         (offsets, values) for list columns, in schema order. Same digest as the same values
         added record by record. List columns' values and Arrow arrays are kept without a copy:
-        the caller must not write them afterwards."""
+        the caller must not write them afterwards. `encoded` rows come as stored (STORED: tails
+        and DELTA_COLUMNS, by RowEncoder's rule); a run hands over all its rows one way."""
         self._flush(table)  # records added before go first (and through the row encoder first)
-        batch = self._stored(table, cols)
+        batch = self._stored(table, cols, encoded)
         if batch.num_rows == 0:
             return
         self.counts[table] += batch.num_rows
@@ -183,10 +185,18 @@ class TraceWriter:
         self.counts[table] += len(b)
         b.clear()
 
-    def _stored(self, table: str, cols: Mapping[str, object]) -> pa.RecordBatch:
+    def _stored(self, table: str, cols: Mapping[str, object],
+                encoded: bool = False) -> pa.RecordBatch:
         """Logical columns -> the record batch as stored (STORED): rows are delta-encoded."""
         if table == "rows":
-            cols = self.encoder.encode(cols)
+            # prev_row counts rows from the first: two encoders in one trace would disagree
+            if (self.rows_encoded is not None and self.rows_encoded != encoded
+                    and self.counts["rows"]):
+                raise ValueError("rows both encoded by the caller and by the writer: one way "
+                                 "per trace")
+            self.rows_encoded = encoded
+            if not encoded:
+                cols = self.encoder.encode(cols)
         schema = STORED[table]
         return pa.RecordBatch.from_arrays(
             [columnar_arrow(cols[f.name], f.type) for f in schema], schema=schema)

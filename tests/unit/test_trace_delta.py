@@ -8,6 +8,7 @@ same logical tables; both engines store the same table.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from unittest import mock
@@ -283,16 +284,21 @@ def test_older_formats_read_to_the_same_logical_tables(tmp_path, version):
         assert a.tables[n].equals(b.tables[n]), n
 
 
+@pytest.mark.parametrize("check", [True, False])
 @pytest.mark.parametrize("window", [delta.WINDOW, 7])
-def test_both_engines_store_the_same_rows(tmp_path, window):
+def test_both_engines_store_the_same_rows(tmp_path, window, check):
     """Batched differently (the fast engine per 8 steps here, the reference per 8192 records),
     the same stored table: one digest. A small window makes the carry between batches drop
-    rows."""
+    rows. Checked, the fast engine hands whole lists to RowEncoder; unchecked, its kernel
+    stores them itself (sim/fast/kernel.py _page_lists), never calling the encoder."""
     sc, base = _vidur(30)
     digests = {}
     with mock.patch.object(delta, "WINDOW", window), mock.patch.object(fast_engine, "_STEPS", 8):
         for e in ("fast", "reference"):
-            run(sc, out=tmp_path / e, base_dir=base, engine=e, collect=False)
+            kernel_encodes = e == "fast" and not check
+            with mock.patch.object(delta.RowEncoder, "encode", side_effect=AssertionError(
+                    "the kernel stores the rows")) if kernel_encodes else contextlib.nullcontext():
+                run(sc, out=tmp_path / e, base_dir=base, engine=e, collect=False, check=check)
             digests[e] = json.loads((tmp_path / e / "manifest.json").read_text())["digest"]
     assert digests["fast"] == digests["reference"]
     whole = int((pq.read_table(tmp_path / "fast" / "rows.parquet").column("prev_row")
@@ -303,3 +309,20 @@ def test_both_engines_store_the_same_rows(tmp_path, window):
         assert whole > 30  # rows more than 7 back are stored whole
     fast, ref = (read_trace(tmp_path / e).tables["rows"] for e in ("fast", "reference"))
     assert fast.equals(ref)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_one_trace_takes_rows_encoded_one_way_only(tmp_path, first):
+    """prev_row counts rows from the trace's first: rows the caller encoded (the fast
+    engine's kernel) and rows the writer encodes cannot share a trace."""
+    rows = [(0, [3, 4], [3, 4]), (1, [5], [5]), (0, [3, 4, 6], [3, 4, 6])]
+    full = _table(SCHEMAS["rows"], _cols(rows), len(rows))
+    logical = {f.name: _numpy(full.column(f.name), f.type) for f in SCHEMAS["rows"]}
+    w = TraceWriter(tmp_path / "t")
+    try:
+        stored = RowEncoder().encode(logical)
+        w.add_columns("rows", stored if first else logical, encoded=first)
+        with pytest.raises(ValueError, match="one way per trace"):
+            w.add_columns("rows", logical if first else stored, encoded=not first)
+    finally:
+        w.abort()

@@ -29,8 +29,8 @@ class Chunk:
     blocks: dict[str, np.ndarray]  # phase and event: Arrow strings
     requests: dict[str, object]
     spare_slots: np.ndarray  # per step: reserved - committed - new over rows (kv series)
-    # rows' pages and alloc are stored tails plus DELTA_COLUMNS (FastEngine delta: the trace
-    # writer stores them as they are), not whole lists
+    # rows' list columns are as stored, with DELTA_COLUMNS and RUN_COLUMNS (FastEngine delta:
+    # the trace writer stores them as they are), not whole lists
     rows_encoded: bool = False
 
 
@@ -82,7 +82,7 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
         q = W[:, fl.W_Q]
         n = len(W)
         zeros, false = np.zeros(n, np.int64), np.zeros(n, bool)
-        append, rope = _positions_of(W)
+        append, rope = _stored_positions(W) if eng.delta else _positions_of(W)
         rows = {
             "step": W[:, fl.W_STEP], "row": W[:, fl.W_ROW], "request": W[:, fl.W_REQ],
             "phase": strings(W[:, fl.W_PHASE], _PHASE), "q_len": q, "draft_len": zeros,
@@ -97,8 +97,12 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
             "new_tokens": W[:, fl.W_NEW], "prev_new_tokens": W[:, fl.W_PREVNEW],
             "max_pos": np.full(n, eng.max_pos, np.int64)}
         if eng.delta:
+            has = q > 0  # an empty list's run starts at 0
             rows |= {"prev_row": W[:, fl.W_PREV], "pages_keep": W[:, fl.W_PKEEP],
-                     "alloc_keep": W[:, fl.W_AKEEP]}
+                     "alloc_keep": W[:, fl.W_AKEEP],
+                     "append_pos_start": np.where(has, W[:, fl.W_APPEND], 0),
+                     "append_pos_run": q, "rope_pos_start": np.where(has, W[:, fl.W_ROPE], 0),
+                     "rope_pos_run": q}
     blocks = {
         "step": E[:, 0], "phase": strings(E[:, 1], _EV_PHASE), "seq": E[:, 2],
         "event": strings(E[:, 3], fl.EVENTS),
@@ -115,6 +119,13 @@ def _positions_of(W: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     if np.array_equal(W[:, fl.W_APPEND], W[:, fl.W_ROPE]):
         return append, append
     return append, positions(W[:, fl.W_ROPE], offsets)
+
+
+def _stored_positions(W: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+    """append_pos and rope_pos as stored from format 3: every row's positions are one run
+    (its `_start`, `_run` columns), so nothing is left in the lists."""
+    empty = (np.zeros(len(W) + 1, np.int32), np.empty(0, np.int32))
+    return empty, empty
 
 
 def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:

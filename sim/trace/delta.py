@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from sim.errors import TraceError
 from sim.jit_cache import drop_stale
-from sim.trace.schema import DELTA_COLUMNS, SCHEMAS
+from sim.trace.schema import DELTA_COLUMNS, RUN_COLUMNS, RUN_LISTS, SCHEMAS
 
 drop_stale(__file__)  # before the kernels below load anything from numba's cache
 
@@ -65,6 +65,9 @@ class RowEncoder:
         for name in LISTS:
             keep, t_off, t_vals = _encode(prev[m:], m, *self.lists[name], *batch[name])
             out[name], out[f"{name}_keep"] = (t_off, t_vals), keep
+        for name in RUN_LISTS:
+            start, run, t_off, t_vals = _runs(*_as_list(cols[name]))
+            out[name], out[f"{name}_start"], out[f"{name}_run"] = (t_off, t_vals), start, run
         is_last = np.ones(len(order), bool)  # each request's last row
         is_last[:-1] = ~same
         self._carry(np.sort(order[is_last]), req_all, ord_all, batch, self.rows + n)
@@ -153,6 +156,29 @@ def _gather(idx, m, c_off, c_vals, off, vals):  # type: ignore[no-untyped-def]
     return g_off, g_vals
 
 
+@nb.njit(cache=True, nogil=True)
+def _runs(off, vals):  # type: ignore[no-untyped-def]
+    """Per row: the leading run start, start + 1, ... of its list (start 0 and run 0 for an
+    empty list) and the tail after it: (start, run, tail offsets, tail values)."""
+    n = len(off) - 1
+    start, run = np.zeros(n, np.int64), np.zeros(n, np.int64)
+    t_off = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        a, b = off[i], off[i + 1]
+        k = 0
+        if b > a:
+            start[i] = vals[a]
+            k = 1
+            while a + k < b and vals[a + k] == vals[a] + k:
+                k += 1
+        run[i] = k
+        t_off[i + 1] = t_off[i] + b - a - k
+    t_vals = np.empty(t_off[n], np.int32)
+    for i in range(n):
+        t_vals[t_off[i]:t_off[i + 1]] = vals[off[i] + run[i]:off[i + 1]]
+    return start, run, t_off, t_vals
+
+
 # -- decoding ---------------------------------------------------------------------------------
 _BAD = {1: "prev_row {p} is not an earlier row (-1 <= prev_row < row)",
         2: "prev_row {p} is a row of another request",
@@ -197,13 +223,16 @@ def _decode_values(prev, keep, t_off, t_vals, off):  # type: ignore[no-untyped-d
 
 
 def decode_rows(stored: pa.Table, where: str) -> pa.Table:
-    """rows.parquet as stored (STORED["rows"]) -> the logical rows table (SCHEMAS["rows"]).
+    """rows.parquet as stored (ON_DISK[2 or 3]["rows"]) -> the logical rows table.
 
     Raises TraceError naming `where`, the row ordinal and the problem for a reference that does
-    not resolve, or if a column's full lists exceed Arrow's int32 offsets.
+    not resolve, a run that does not fit int32, or if a column's full lists exceed Arrow's
+    int32 offsets.
     """
     ints = {c: _ints(stored, c, where) for c in ("request", *DELTA_COLUMNS)}
     full = {n: _decode(ints, n, _stored_list(stored, n, where), where) for n in LISTS}
+    if RUN_COLUMNS[0] in stored.column_names:  # format 3
+        full |= {n: _decode_runs(stored, n, where) for n in RUN_LISTS}
     return pa.Table.from_arrays([full.get(f.name, stored.column(f.name))
                                  for f in SCHEMAS["rows"]], schema=SCHEMAS["rows"])
 
@@ -221,6 +250,54 @@ def _decode(ints: dict[str, np.ndarray], name: str, tail: ListCol, where: str) -
                          f"Arrow list column takes ({_I32_MAX}): the trace is too large to "
                          "read into memory")
     vals = _decode_values(prev, keep, tail[0], tail[1], off)
+    return pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(vals))
+
+
+_BAD_RUN = {1: "{name}_run {run} is negative",
+            2: "{name}_start {start} + {name}_run {run} leaves int32 (positions are int32)",
+            3: "{name}_start {start} with {name}_run 0 (nothing to start: must be 0)"}
+
+
+@nb.njit(cache=True)
+def _run_offsets(start, run, t_off):  # type: ignore[no-untyped-def]
+    """Offsets of the whole lists, validating every run first: (offsets, -1, 0), or
+    (_, row, code of _BAD_RUN) at the first bad row."""
+    n = len(run)
+    off = np.zeros(n + 1, np.int64)
+    for i in range(n):
+        if run[i] < 0:
+            return off, i, 1
+        if run[i] and (start[i] < -_I32_MAX - 1 or start[i] + run[i] - 1 > _I32_MAX):
+            return off, i, 2
+        if run[i] == 0 and start[i] != 0:
+            return off, i, 3
+        off[i + 1] = off[i] + run[i] + t_off[i + 1] - t_off[i]
+    return off, -1, 0
+
+
+@nb.njit(cache=True, nogil=True)
+def _run_values(start, run, t_off, t_vals, off):  # type: ignore[no-untyped-def]
+    out = np.empty(off[-1], np.int32)
+    for i in range(len(run)):
+        s = off[i]
+        for j in range(run[i]):
+            out[s + j] = start[i] + j
+        out[s + run[i]:off[i + 1]] = t_vals[t_off[i]:t_off[i + 1]]
+    return out
+
+
+def _decode_runs(stored: pa.Table, name: str, where: str) -> pa.Array:
+    start, run = (_ints(stored, f"{name}_{c}", where) for c in ("start", "run"))
+    t_off, t_vals = _stored_list(stored, name, where)
+    off, row, code = _run_offsets(start, run, t_off)
+    if code:
+        raise TraceError(f"{where}: row {row}: " + _BAD_RUN[code].format(
+            name=name, start=int(start[row]), run=int(run[row])))
+    if off[-1] > _I32_MAX:
+        raise TraceError(f"{where}: {name} holds {int(off[-1])} positions in all, more than one "
+                         f"Arrow list column takes ({_I32_MAX}): the trace is too large to "
+                         "read into memory")
+    vals = _run_values(start, run, t_off, t_vals, off)
     return pa.ListArray.from_arrays(pa.array(off.astype(np.int32)), pa.array(vals))
 
 

@@ -28,7 +28,7 @@ from sim.trace.records import (
     RowRecord,
     StepRecord,
 )
-from sim.trace.schema import ON_DISK, RECORDS, STORED, TABLES
+from sim.trace.schema import ON_DISK, RECORDS, TABLES
 
 _TMP_NAME = re.compile(r"\.tmp-[0-9]+$")  # TraceWriter's DIR.tmp-<pid>
 # The checker allocates per KV slot and per block; the same bounds as a scenario's (sim.config).
@@ -80,7 +80,7 @@ def read_trace(path: str | Path) -> Trace:
     if got != manifest.get("digest"):
         raise TraceError(f"{root}: digest mismatch: manifest.json says {manifest.get('digest')}, "
                          f"the tables hash to {got}")
-    if schemas is STORED:  # formats 2 and 3: decode only what the digest vouched for
+    if version >= 2:  # decode only what the digest vouched for
         tables["rows"] = decode_rows(tables["rows"], str(root / "rows.parquet"))
     return Trace(root, manifest, tables)
 

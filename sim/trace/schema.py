@@ -43,9 +43,20 @@ SCHEMAS: dict[str, pa.Schema] = {
 TABLES = tuple(SCHEMAS)  # order of the digest
 # rows.parquet on disk: `pages` and `alloc` hold only the tail after the ids kept from `prev_row`
 DELTA_COLUMNS = ("prev_row", "pages_keep", "alloc_keep")
-STORED: dict[str, pa.Schema] = dict(SCHEMAS, rows=pa.schema(
-    [*SCHEMAS["rows"], *(pa.field(c, pa.int64(), nullable=False) for c in DELTA_COLUMNS)]))
-ON_DISK = {1: SCHEMAS, 2: STORED, 3: STORED}  # format_version -> the schemas of its files
+# ... and from format 3, `append_pos` and `rope_pos` only what follows their leading run
+# start, start + 1, ... (all of a row's positions, at nearly every row)
+RUN_LISTS = ("append_pos", "rope_pos")
+RUN_COLUMNS = tuple(f"{n}_{c}" for n in RUN_LISTS for c in ("start", "run"))
+
+
+def _with(*cols: str) -> dict[str, pa.Schema]:
+    return dict(SCHEMAS, rows=pa.schema(
+        [*SCHEMAS["rows"], *(pa.field(c, pa.int64(), nullable=False) for c in cols)]))
+
+
+STORED_V2 = _with(*DELTA_COLUMNS)
+STORED = _with(*DELTA_COLUMNS, *RUN_COLUMNS)  # what the writer writes (FORMAT_VERSION)
+ON_DISK = {1: SCHEMAS, 2: STORED_V2, 3: STORED}  # format_version -> the schemas of its files
 assert tuple(ON_DISK) == READABLE_VERSIONS, "a readable format_version without its schemas"
 RECORDS = {"steps": StepRecord, "rows": RowRecord, "requests": RequestRecord,
            "blocks": BlockEvent, "violations": Violation}

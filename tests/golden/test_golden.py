@@ -7,24 +7,26 @@ what the simulator does. If that is intended, regenerate them and say so in the 
 The digest is over the tables as stored, so a change of the stored format moves it too: trace
 format_version 2 (delta-encoded page lists in rows.parquet) did, with every logical table (as
 sim.trace.reader.read_trace returns them) equal to format 1's for both scenarios. So does a
-change of the digest's hash: format 3 (xxh3-128 per column, sim/trace/digest.py) stores the same
-Parquet files, byte for byte, as format 2 did; their format 2 (sha256) digest is still pinned.
+change of the digest's hash and the stored positions: format 3 (xxh3-128 per column,
+sim/trace/digest.py; append_pos and rope_pos as a leading run and a tail) stores format 2's
+tables but for those positions; put back as whole lists, format 2's (sha256) digest is pinned.
 """
 
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from sim.api import load_scenario, run
 from sim.trace.reader import read_trace, table_digest
-from sim.trace.schema import TABLES
+from sim.trace.schema import RUN_COLUMNS, RUN_LISTS, TABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = {
-    "worked_example": "910d0ee987a5a8cbb5b7521f83bcf34161e61871c807d768f385794654a90b5d",
-    "default": "90cb1182f43dcba8e52dc1eeb52b69279cf0432388d10992403313f1b9abde1d",
+    "worked_example": "f080d750ee81f8b7a4af5609a581520af1e59028703246d854a1aa755be5b59f",
+    "default": "3d7d828f6b077a7eff8ef02e6447eba609e8f24d541e2a44497806f194c062fc",
 }
 # the same scenarios' digests as format 2 wrote them (kvsim before format 3)
 FORMAT_2 = {
@@ -45,17 +47,31 @@ def test_digest_is_pinned(tmp_path, name):
     t = _trace(tmp_path / "t", name)
     man = json.loads((t / "manifest.json").read_text())
     assert (man["format_version"], man["digest"]) == (3, GOLDEN[name])
-    # The files are format 2's: under format 2's hash they give its pinned digest, and with
-    # format 2's manifest they read (sha256 verified) to the same logical tables.
-    stored = [pq.read_table(t / f"{n}.parquet") for n in TABLES]
-    assert table_digest(stored, 2) == FORMAT_2[name]
+    # Positions put back as whole lists, the files are format 2's: under its hash they give
+    # its pinned digest, and with its manifest they read (sha256 verified) to the same tables.
     tables = read_trace(t).tables
-    (t / "manifest.json").write_text(json.dumps(dict(man, format_version=2,
-                                                     digest=FORMAT_2[name])))
-    v2 = read_trace(t)
+    v2_dir = _as_format_2(t, tables["rows"], tmp_path / "v2")
+    assert table_digest([pq.read_table(v2_dir / f"{n}.parquet") for n in TABLES], 2) \
+        == FORMAT_2[name]
+    (v2_dir / "manifest.json").write_text(json.dumps(dict(man, format_version=2,
+                                                          digest=FORMAT_2[name])))
+    v2 = read_trace(v2_dir)
     assert v2.manifest["format_version"] == 2
     for n in TABLES:
         assert v2.tables[n].equals(tables[n]), n
+
+
+def _as_format_2(t: Path, logical_rows: pa.Table, out: Path) -> Path:
+    out.mkdir()
+    for n in TABLES:
+        table = pq.read_table(t / f"{n}.parquet")
+        if n == "rows":
+            table = table.drop_columns(list(RUN_COLUMNS))
+            for c in RUN_LISTS:
+                table = table.set_column(table.schema.get_field_index(c), c,
+                                         logical_rows.column(c))
+        pq.write_table(table, out / f"{n}.parquet")
+    return out
 
 
 def test_two_runs_are_byte_identical(tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from pathlib import Path
 from unittest import mock
 
@@ -27,7 +28,7 @@ from sim.errors import TraceError
 from sim.trace.delta import RowEncoder, decode_rows
 from sim.trace.reader import read_trace, table_digest
 from sim.trace.records import FORMAT_VERSION, RowRecord
-from sim.trace.schema import SCHEMAS, STORED, TABLES
+from sim.trace.schema import RUN_COLUMNS, RUN_LISTS, SCHEMAS, STORED, TABLES
 from sim.trace.writer import TraceWriter, columnar, columnar_arrow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -95,10 +96,12 @@ def model_encoding(rows: list[Row], window: int) -> list[tuple[int, int, int, li
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _cols(rows: list[Row]) -> dict[str, object]:
+def _cols(rows: list[Row], positions: list[list[int]] | None = None) -> dict[str, object]:
     req, pages, alloc = zip(*rows, strict=True) if rows else ((), (), ())
+    pos = columnar(positions if positions is not None else [[]] * len(rows),
+                   pa.list_(pa.int32()))
     return {"request": np.array(req, np.int64), "pages": columnar(pages, pa.list_(pa.int32())),
-            "alloc": columnar(alloc, pa.list_(pa.int32()))}
+            "alloc": columnar(alloc, pa.list_(pa.int32())), "append_pos": pos, "rope_pos": pos}
 
 
 def _table(schema: pa.Schema, cols: dict[str, object], n: int) -> pa.Table:
@@ -157,6 +160,54 @@ def test_a_list_column_too_large_for_arrow_is_refused():
         decode_rows(stored, "x/rows.parquet")
     assert str(err.value) == ("x/rows.parquet: pages holds 3 ids in all, more than one Arrow "
                               "list column takes (2): the trace is too large to read into memory")
+
+
+# -- positions: a leading run, then a tail (format 3) --------------------------------------------
+def _run_of(v: list[int]) -> tuple[int, int]:
+    k = 1 if v else 0
+    while k < len(v) and v[k] == v[0] + k:
+        k += 1
+    return (v[0] if v else 0), k
+
+
+_POSITIONS = st.lists(st.one_of(
+    st.builds(lambda a, n: list(range(a, a + n)), st.integers(-3, 2**31 - 9), st.integers(0, 6)),
+    st.lists(st.integers(-(2**31), 2**31 - 1), max_size=4),
+    st.builds(lambda a, t: list(range(a, a + 3)) + t, st.integers(0, 9),
+              st.lists(st.integers(0, 12), max_size=3))), max_size=30)
+
+
+@given(positions=_POSITIONS, cuts=st.lists(st.integers(0, 30), max_size=3))
+def test_positions_store_their_leading_run_and_decode_back(positions, cuts):
+    rows: list[Row] = [(i, [], []) for i in range(len(positions))]
+    cuts = [0, *sorted({c for c in cuts if c <= len(rows)}), len(rows)]
+    enc = RowEncoder()
+    parts = [_table(STORED["rows"], enc.encode(_cols(rows[a:b], positions[a:b])), b - a)
+             for a, b in zip(cuts, cuts[1:], strict=False)]
+    stored = pa.concat_tables([_table(STORED["rows"], {}, 0), *parts])
+    for name in ("append_pos", "rope_pos"):
+        got = zip(stored.column(f"{name}_start").to_pylist(),
+                  stored.column(f"{name}_run").to_pylist(), stored.column(name).to_pylist(),
+                  strict=True)
+        assert list(got) == [(*_run_of(v), v[_run_of(v)[1]:]) for v in positions]
+        assert decode_rows(stored, "rows.parquet").column(name).to_pylist() == positions
+
+
+@pytest.mark.parametrize("start, run, tail, why", [
+    (5, -1, [], "row 0: append_pos_run -1 is negative"),
+    (2**31 - 2, 3, [], "row 0: append_pos_start 2147483646 + append_pos_run 3 leaves int32"),
+    (-(2**31) - 1, 1, [], "row 0: append_pos_start -2147483649 + append_pos_run 1 leaves"),
+    (4, 0, [4], "row 0: append_pos_start 4 with append_pos_run 0 (nothing to start: must be 0)"),
+])
+def test_the_decoder_refuses_runs_that_do_not_fit(start, run, tail, why):
+    stored = _encode([[(0, [], [])]])
+    i = stored.schema.get_field_index
+    stored = stored.set_column(i("append_pos_start"), "append_pos_start", pa.array([start]))
+    stored = stored.set_column(i("append_pos_run"), "append_pos_run", pa.array([run]))
+    stored = stored.set_column(i("append_pos"), STORED["rows"].field("append_pos"),
+                               pa.array([tail], pa.list_(pa.int32())))
+    with pytest.raises(TraceError, match=re.escape(f"x/rows.parquet: {why}")):
+        decode_rows(stored, "x/rows.parquet")
 
 
 # -- the writer --------------------------------------------------------------------------------
@@ -259,9 +310,16 @@ def _vidur(n: int):  # type: ignore[no-untyped-def]
 
 def _as_older(src: Path, out: Path, version: int) -> Path:
     """The same trace in an older format: 1 stores the logical tables as they are; 2 stores
-    what 3 stores (the same tables), under a sha256 digest."""
-    tables = (read_trace(src).tables if version == 1 else
-              {n: pq.read_table(src / f"{n}.parquet") for n in TABLES})
+    what 3 stores but positions as whole lists (no run columns), under a sha256 digest."""
+    logical = read_trace(src).tables
+    tables = logical if version == 1 else {n: pq.read_table(src / f"{n}.parquet")
+                                           for n in TABLES}
+    if version == 2:
+        rows = tables["rows"].drop_columns(list(RUN_COLUMNS))
+        for name in RUN_LISTS:
+            rows = rows.set_column(rows.schema.get_field_index(name), name,
+                                   logical["rows"].column(name))
+        tables = dict(tables, rows=rows)
     out.mkdir()
     for n in TABLES:
         pq.write_table(tables[n], out / f"{n}.parquet")

@@ -44,18 +44,20 @@ def _positions(starts, offsets):  # type: ignore[no-untyped-def]
     return values
 
 
+@nb.njit(cache=True, nogil=True)
+def _slices(values, starts, offsets):  # type: ignore[no-untyped-def]
+    """values[start[i]:start[i] + n] for each row as one array, n from the offsets: the
+    requests' tokens (~16M per 10k requests) without ranges()' int64 index temporaries."""
+    out = np.empty(offsets[-1], values.dtype)
+    for i in range(len(starts)):
+        out[offsets[i]:offsets[i + 1]] = values[starts[i]:starts[i] + offsets[i + 1] - offsets[i]]
+    return out
+
+
 def positions(starts: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[start, start+n) for each row as a list column (offsets int32, values int32), n from
-    the offsets: ranges() in one compiled pass, without the int64 temporaries."""
+    the offsets, in one compiled pass, without int64 temporaries."""
     return offsets, _positions(np.ascontiguousarray(starts, np.int64), offsets)
-
-
-def ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[start, start+n) for each row, as a list column: (offsets int32, values int64)."""
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - starts, lengths)
-    return offsets.astype(np.int32), values
 
 
 def _listcol(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -131,8 +133,7 @@ def _stored_positions(W: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...
 def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:
     P, nhost = D[:, fl.D_P], D[:, fl.D_NHOST]
     n_out = np.maximum(P, nhost) - P
-    _, p_idx = ranges(D[:, fl.D_TOK], P)
-    _, o_idx = ranges(D[:, fl.D_TOK] + P, n_out)
+    p_off, o_off = _offsets(P), _offsets(n_out)
     zeros = np.zeros(len(D), np.int64)
     reason = D[:, fl.D_REASON]
     t = eng.totals
@@ -146,8 +147,8 @@ def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:
     return {
         "request": D[:, fl.D_RID], "arrival_ns": D[:, fl.D_ARR], "prompt_len": P,
         "output_len": D[:, fl.D_O],
-        "prompt_tokens": (_offsets(P), eng.toks[p_idx]),
-        "output_tokens": (_offsets(n_out), eng.toks[o_idx]),
+        "prompt_tokens": (p_off, _slices(eng.toks, D[:, fl.D_TOK], p_off)),
+        "output_tokens": (o_off, _slices(eng.toks, D[:, fl.D_TOK] + P, o_off)),
         "reused_tokens": zeros, "first_token_ns": D[:, fl.D_FIRST], "finish_ns": D[:, fl.D_FIN],
         "finish_reason": strings(reason, fl.REASONS), "num_preemptions": D[:, fl.D_NPRE],
         "num_steps": D[:, fl.D_GSTEPS], "accepted_drafts": zeros, "proposed_drafts": zeros}

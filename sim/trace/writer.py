@@ -42,9 +42,10 @@ _FLUSH = 1 << 13  # rows per record batch: bounds the buffered Python tuples
 
 
 def _stat_columns(schema: pa.Schema) -> list[str]:
-    """Min/max statistics for scalar columns (a reader filtering on step or request skips row
-    groups with them); none for list columns: ~10% of their encoding time, no use to readers."""
-    return [f.name for f in schema if not pa.types.is_list(f.type)]
+    """Min/max statistics for the columns readers filter on, step and request (a reader then
+    skips row groups); none for the others: 10-15% of an integer column's encoding time, half a
+    string column's (~0.1 CPU-s of the writer thread per 10k requests)."""
+    return [f.name for f in schema if f.name in ("step", "request")]
 
 
 def _delta_columns(schema: pa.Schema) -> dict[str, str]:

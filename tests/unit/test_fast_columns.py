@@ -8,7 +8,7 @@ import pyarrow as pa
 import pytest
 
 from sim.fast import fields as fl
-from sim.fast.columns import _positions_of, _pylist, positions, ranges
+from sim.fast.columns import _positions_of, _pylist, _slices, positions
 from sim.trace.digest import TableDigest
 from sim.trace.records import FORMAT_VERSION
 from sim.trace.writer import columnar_arrow, strings
@@ -39,6 +39,15 @@ def test_strings_pass_through_the_writer_and_a_wrong_type_is_refused():
         columnar_arrow(col, pa.int64())
 
 
+def ranges(starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[start, start+n) for each row, as a list column (offsets int32, values int64): numpy's
+    way, the oracle of the compiled positions() and _slices()."""
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1] - starts, lengths)
+    return offsets.astype(np.int32), values
+
+
 @pytest.mark.parametrize("starts, lengths", [([], []), ([5], [0]), ([0, 7, 3], [2, 1, 4]),
                                              ([9, 9, 0], [0, 3, 0])])
 def test_positions_are_the_ranges(starts, lengths):
@@ -47,6 +56,9 @@ def test_positions_are_the_ranges(starts, lengths):
     off, got = positions(starts, want_off)
     assert got.dtype == np.int32
     assert off.tolist() == want_off.tolist() and got.tolist() == want.tolist()
+    toks = np.arange(100, 120, dtype=np.int32)
+    sliced = _slices(toks, starts, want_off)
+    assert sliced.dtype == np.int32 and sliced.tolist() == toks[want].tolist()
 
 
 def _rows(append: list[int], rope: list[int], q: list[int]) -> np.ndarray:

@@ -114,3 +114,24 @@ def test_records_round_trip(tmp_path: Path) -> None:
     launches = [x for x in iter_records(trace) if isinstance(x, tuple)]
     assert launches[1] == (step(1, backend="xqa"), [gen()])
     assert dataclasses.asdict(launches[0][1][0]) == dataclasses.asdict(ctx())
+
+
+def test_row_groups_carry_statistics_for_the_columns_readers_filter_on(tmp_path: Path) -> None:
+    """step and request have min/max per row group (a filtered read skips groups); the other
+    columns none, their cost without a use (sim/trace/writer.py _stat_columns)."""
+    from sim.api import parse_scenario, run
+
+    sc = parse_scenario({"spec": {"mode": "none"}, "overlap": {"enabled": False},
+                         "cache": {"reuse": "off", "tokens_per_block": 4, "num_blocks": 32},
+                         "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 9,
+                                                    "output_len": 5}]}})
+    out = run(sc, out=tmp_path / "t", collect=False).trace_dir
+    assert out is not None
+    for name in ("rows", "blocks", "steps"):
+        group = pq.ParquetFile(out / f"{name}.parquet").metadata.row_group(0)
+        with_stats = {group.column(i).path_in_schema for i in range(group.num_columns)
+                      if group.column(i).is_stats_set}
+        assert with_stats == {"step", "request"} & set(pq.read_schema(out / f"{name}.parquet")
+                                                       .names), name
+    t = pq.read_table(out / "rows.parquet", filters=[("step", ">=", 3)])
+    assert t.num_rows and min(t.column("step").to_pylist()) == 3

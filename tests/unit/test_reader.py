@@ -116,7 +116,7 @@ def test_records_round_trip(tmp_path: Path) -> None:
     assert dataclasses.asdict(launches[0][1][0]) == dataclasses.asdict(ctx())
 
 
-def test_row_groups_carry_statistics_for_the_columns_readers_filter_on(tmp_path: Path) -> None:
+def test_statistics_where_readers_filter_and_codecs_where_they_pay(tmp_path: Path) -> None:
     """step and request have min/max per row group (a filtered read skips groups); the other
     columns none, their cost without a use (sim/trace/writer.py _stat_columns)."""
     from sim.api import parse_scenario, run
@@ -133,5 +133,10 @@ def test_row_groups_carry_statistics_for_the_columns_readers_filter_on(tmp_path:
                       if group.column(i).is_stats_set}
         assert with_stats == {"step", "request"} & set(pq.read_schema(out / f"{name}.parquet")
                                                        .names), name
+    group = pq.ParquetFile(out / "rows.parquet").metadata.row_group(0)
+    codecs = {group.column(i).path_in_schema: group.column(i).compression
+              for i in range(group.num_columns)}
+    # token ids are entropy once bit-packed: not compressed again
+    assert (codecs["tokens.list.element"], codecs["pages.list.element"]) == ("UNCOMPRESSED", "LZ4")
     t = pq.read_table(out / "rows.parquet", filters=[("step", ">=", 3)])
     assert t.num_rows and min(t.column("step").to_pylist()) == 3

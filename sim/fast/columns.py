@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from sim.fast import fields as fl
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
-from sim.trace.writer import strings
+from sim.trace.writer import from_numpy, strings
 
 if TYPE_CHECKING:
     from sim.fast.engine import FastEngine
@@ -83,7 +83,7 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
     if eng.detail and len(W):
         q = W[:, fl.W_Q]
         n = len(W)
-        zeros, false = np.zeros(n, np.int64), np.zeros(n, bool)
+        zeros, false, max_pos = _constants(n, eng.max_pos, arrow=eng.delta)
         append, rope = _stored_positions(W) if eng.delta else _positions_of(W)
         rows = {
             "step": W[:, fl.W_STEP], "row": W[:, fl.W_ROW], "request": W[:, fl.W_REQ],
@@ -97,7 +97,7 @@ def chunk_of(eng: FastEngine, D: np.ndarray, only_requests: bool = False) -> Chu
             "reserved": W[:, fl.W_RESERVED], "shared_blocks": zeros,
             "tokens": _listcol(eng.TK, W[:, fl.W_NTOK]), "accepted": W[:, fl.W_ACCEPTED],
             "new_tokens": W[:, fl.W_NEW], "prev_new_tokens": W[:, fl.W_PREVNEW],
-            "max_pos": np.full(n, eng.max_pos, np.int64)}
+            "max_pos": max_pos}
         if eng.delta:
             has = q > 0  # an empty list's run starts at 0
             rows |= {"prev_row": W[:, fl.W_PREV], "pages_keep": W[:, fl.W_PKEEP],
@@ -121,6 +121,16 @@ def _positions_of(W: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
     if np.array_equal(W[:, fl.W_APPEND], W[:, fl.W_ROPE]):
         return append, append
     return append, positions(W[:, fl.W_ROPE], offsets)
+
+
+def _constants(n: int, max_pos: int, arrow: bool) -> tuple[object, object, object]:
+    """The rows' constant columns (zeros, false, max_pos): for the trace writer alone (arrow)
+    Arrow arrays over fresh buffers, which it keeps as they are instead of copying."""
+    cols = np.zeros(n, np.int64), np.zeros(n, bool), np.full(n, max_pos, np.int64)
+    if not arrow:
+        return cols
+    return tuple(from_numpy(c, t) for c, t in zip(cols, (pa.int64(), pa.bool_(), pa.int64()),
+                                                    strict=True))
 
 
 def _stored_positions(W: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], ...]:

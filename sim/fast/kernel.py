@@ -172,22 +172,22 @@ def _after_schedule(G, K, E, R, T, run, wait, pool, cfg):  # type: ignore[no-unt
 
 @nb.njit(cache=True)
 def _page_lists(G, K, W, PG, AL, R, T, LP, LA, flat, cfg, bs, r0, n):  # type: ignore
-    """The step's rows' `pages` and `alloc` into PG and AL: whole, or (cfg C_DELTA, a trace
-    without the checker) as rows.parquet stores them, the tail after the prefix shared with
-    the request's previous row. That is RowEncoder's rule (sim/trace/delta.py) on the row
+    """The step's rows' `pages` and `alloc` into PG and AL as rows.parquet stores them (cfg
+    C_DELTA: a trace without the checker), the tail after the prefix shared with the
+    request's previous row. That is RowEncoder's rule (sim/trace/delta.py) on the row
     sequence, computed here against LP/LA, each slot's last lists, instead of writing ~600M
     page ids per 10k requests out whole for the encoder to compare and drop again.
 
     Flat arrays and offsets, not row slices: each slice is a reference-counted view, and a
     few per row cost more than the work (most rows compare nothing and copy 0-1 ids)."""
-    delta, xqa, width = cfg[fl.C_DELTA], cfg[fl.C_BACKEND] == fl.XQA, T.shape[1]
+    xqa, width = cfg[fl.C_BACKEND] == fl.XQA, T.shape[1]
     t_all, lp_all, la_all = T.reshape(-1), LP.reshape(-1), LA.reshape(-1)
     scratch = np.full(width, -1, np.int32)
     for i in range(n):
         s, w = bs[i], W[r0 + i]
         nbk, a = w[fl.W_NPAGES], w[fl.W_NALLOC]
         ordinal, last = G[fl.G_ROWS], R[s, fl.F_LROW]
-        ok = delta != 0 and last >= 0 and ordinal - last <= cfg[fl.C_WINDOW]
+        ok = last >= 0 and ordinal - last <= cfg[fl.C_WINDOW]
         w[fl.W_PREV] = last if ok else -1
         # below `same`, the last row's lists were T's and T is unchanged: nothing to compare
         same = min(R[s, fl.F_TLOW], R[s, fl.F_LPN], R[s, fl.F_LAN]) if ok else 0
@@ -198,9 +198,8 @@ def _page_lists(G, K, W, PG, AL, R, T, LP, LA, flat, cfg, bs, r0, n):  # type: i
             src, at = scratch, 0
         else:  # FlashInfer reads kv_indices from kv_indptr on, past its own pages if nbk > own
             src, at = flat, w[fl.W_KVINDPTR]
-        kp = _put(src, at, nbk, lp_all, s * width, R[s, fl.F_LPN], same, ok, delta, PG,
-                  K[fl.K_PG])
-        ka = _put(t_all, s * width, a, la_all, s * width, R[s, fl.F_LAN], same, ok, delta, AL,
+        kp = _put(src, at, nbk, lp_all, s * width, R[s, fl.F_LPN], same, ok, PG, K[fl.K_PG])
+        ka = _put(t_all, s * width, a, la_all, s * width, R[s, fl.F_LAN], same, ok, AL,
                   K[fl.K_AL])
         K[fl.K_PG] += nbk - kp
         K[fl.K_AL] += a - ka
@@ -211,10 +210,11 @@ def _page_lists(G, K, W, PG, AL, R, T, LP, LA, flat, cfg, bs, r0, n):  # type: i
 
 
 @nb.njit(cache=True)
-def _put(src, at, n, last, lat, n_last, same, ok, delta, out, o):  # type: ignore
+def _put(src, at, n, last, lat, n_last, same, ok, out, o):  # type: ignore
     """List src[at:at+n] into out[o:], after the prefix it shares with last[lat:lat+n_last]
-    (only if ok: else whole), known to share at least `same`; with delta, it becomes last.
-    Returns the shared prefix's length."""
+    (only if ok: else whole), known to share at least `same`; it becomes last. Returns the
+    shared prefix's length. Loops, not slices: a tail is 0-1 ids at most rows, and a slice is
+    a reference-counted view."""
     k = 0
     if ok:
         m = min(n_last, n)
@@ -223,9 +223,7 @@ def _put(src, at, n, last, lat, n_last, same, ok, delta, out, o):  # type: ignor
             k += 1
     for j in range(k, n):
         out[o + j - k] = src[at + j]
-    if delta:
-        for j in range(k, n):
-            last[lat + j] = src[at + j]
+        last[lat + j] = src[at + j]
     return k
 
 
@@ -249,6 +247,7 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, LP, LA, flat, toks, seen, cfg, bs, 
     """Engine._launch + build_rows: the step's rows (engine metadata next to device truth)."""
     B, k, n = cfg[fl.C_B], G[fl.G_STEP], nc + ng
     detail = cfg[fl.C_DETAIL]
+    whole = detail and not cfg[fl.C_DELTA]  # rows' lists written out whole (else _page_lists)
     r0 = K[fl.K_R]
     pos = 0  # write cursor into flat (get_batch_cache_indices_flat packs what it copies)
     indptr = 0
@@ -279,14 +278,23 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, LP, LA, flat, toks, seen, cfg, bs, 
         w[fl.W_ACCEPTED] = -1 if i < nc else 0
         w[fl.W_PREVNEW] = -1 if i < nc else R[s, fl.F_PREVNEW]
         w[fl.W_NPAGES], w[fl.W_NALLOC], w[fl.W_NTOK] = nbk, R[s, fl.F_A], q
-        if cfg[fl.C_BACKEND] == fl.XQA:  # block table row: own pages, then -1 (_page_lists)
+        if cfg[fl.C_BACKEND] == fl.XQA:  # block table row: own pages, then -1
             w[fl.W_KVINDPTR] = 0
+            if whole:
+                p = K[fl.K_PG]
+                PG[p:p + own] = T[s, :own]
+                PG[p + own:p + nbk] = -1
+                K[fl.K_PG] = p + nbk
         else:
             w[fl.W_KVINDPTR] = indptr
             if detail:
                 flat[pos:pos + own] = T[s, :own]
             pos += own
             indptr += nbk
+        if whole:
+            a = K[fl.K_AL]
+            AL[a:a + R[s, fl.F_A]] = T[s, :R[s, fl.F_A]]
+            K[fl.K_AL] = a + R[s, fl.F_A]
         if detail:
             t = K[fl.K_TK]
             TK[t:t + q] = toks[R[s, fl.F_TOK] + c:R[s, fl.F_TOK] + c + q]
@@ -301,7 +309,11 @@ def _launch(G, K, E, S, W, PG, AL, TK, R, T, LP, LA, flat, toks, seen, cfg, bs, 
             R[s, fl.F_GSTEPS] += 1
         elif R[s, fl.F_CTXPOS] >= R[s, fl.F_PREFILL]:
             R[s, fl.F_STATE] = fl.S_GEN
-    if detail:  # once every row is in flat: a row reads past its own pages through kv_indptr
+    if whole and cfg[fl.C_BACKEND] != fl.XQA:  # the rows read flat through kv_indptr
+        p = K[fl.K_PG]
+        PG[p:p + indptr] = flat[:indptr]
+        K[fl.K_PG] = p + indptr
+    elif detail and not whole:  # once every row is in flat: a row reads past its own pages
         _page_lists(G, K, W, PG, AL, R, T, LP, LA, flat, cfg, bs, r0, n)
     K[fl.K_R] = r0 + n
     now = G[fl.G_NOW]

@@ -138,7 +138,8 @@ def _encode(prev, m, c_off, c_vals, off, vals):  # type: ignore[no-untyped-def]
         t_off[i + 1] = t_off[i] + b - a - k
     t_vals = np.empty(t_off[n], np.int32)
     for i in range(n):
-        t_vals[t_off[i]:t_off[i + 1]] = vals[off[i] + keep[i]:off[i + 1]]
+        if t_off[i + 1] > t_off[i]:  # most rows keep all: a slice each would cost more
+            t_vals[t_off[i]:t_off[i + 1]] = vals[off[i] + keep[i]:off[i + 1]]
     return keep, t_off, t_vals
 
 
@@ -175,7 +176,8 @@ def _runs(off, vals):  # type: ignore[no-untyped-def]
         t_off[i + 1] = t_off[i] + b - a - k
     t_vals = np.empty(t_off[n], np.int32)
     for i in range(n):
-        t_vals[t_off[i]:t_off[i + 1]] = vals[off[i] + run[i]:off[i + 1]]
+        if t_off[i + 1] > t_off[i]:  # rarely: a slice per row costs more than the runs
+            t_vals[t_off[i]:t_off[i + 1]] = vals[off[i] + run[i]:off[i + 1]]
     return start, run, t_off, t_vals
 
 
@@ -218,7 +220,8 @@ def _decode_values(prev, keep, t_off, t_vals, off):  # type: ignore[no-untyped-d
         if k:
             q = off[prev[i]]
             out[s:s + k] = out[q:q + k]
-        out[s + k:off[i + 1]] = t_vals[t_off[i]:t_off[i + 1]]
+        if t_off[i + 1] > t_off[i]:
+            out[s + k:off[i + 1]] = t_vals[t_off[i]:t_off[i + 1]]
     return out
 
 
@@ -282,7 +285,8 @@ def _run_values(start, run, t_off, t_vals, off):  # type: ignore[no-untyped-def]
         s = off[i]
         for j in range(run[i]):
             out[s + j] = start[i] + j
-        out[s + run[i]:off[i + 1]] = t_vals[t_off[i]:t_off[i + 1]]
+        if t_off[i + 1] > t_off[i]:
+            out[s + run[i]:off[i + 1]] = t_vals[t_off[i]:t_off[i + 1]]
     return out
 
 

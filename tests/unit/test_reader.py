@@ -138,5 +138,10 @@ def test_statistics_where_readers_filter_and_codecs_where_they_pay(tmp_path: Pat
               for i in range(group.num_columns)}
     # token ids are entropy once bit-packed: not compressed again
     assert (codecs["tokens.list.element"], codecs["pages.list.element"]) == ("UNCOMPRESSED", "LZ4")
+    # ordinals that jump between interleaved requests split by byte; what climbs, delta-encoded
+    encodings = {group.column(i).path_in_schema: group.column(i).encodings
+                 for i in range(group.num_columns)}
+    assert "BYTE_STREAM_SPLIT" in encodings["request"]
+    assert "DELTA_BINARY_PACKED" in encodings["step"]
     t = pq.read_table(out / "rows.parquet", filters=[("step", ">=", 3)])
     assert t.num_rows and min(t.column("step").to_pylist()) == 3

@@ -256,8 +256,6 @@ class FastEngine:
             # the chunk's list columns are views of these: hand them over instead of having the
             # trace writer copy ~1 GB of page ids per 10k requests (fresh pages cost nothing)
             self.PG, self.AL, self.TK = (np.empty_like(a) for a in (self.PG, self.AL, self.TK))
-            if self.delta:  # the rows' scalar columns too, when only the writer takes them
-                self.W = np.empty_like(self.W)  # (Fortran order kept)
 
     def _finish_all(self) -> None:
         """Processor.finish_all: requests still live are emitted unfinished, by request id."""

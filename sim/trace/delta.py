@@ -10,7 +10,7 @@ for `pages` (keep: `pages_keep`) and `alloc` (`alloc_keep`). `RowEncoder` picks 
 request's previous row, if it is at most WINDOW rows back; `decode_rows` accepts any earlier row
 of the same request and validates every reference first (numba does not bounds-check).
 The fast engine's kernel applies the same rule itself when nothing else needs whole lists
-(sim/fast/kernel.py `_page_lists`): both engines store the same table.
+(sim/fast/stored.py `page_lists`): both engines store the same table.
 """
 
 from __future__ import annotations

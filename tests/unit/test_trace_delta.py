@@ -348,7 +348,7 @@ def test_both_engines_store_the_same_rows(tmp_path, window, check):
     """Batched differently (the fast engine per 8 steps here, the reference per 8192 records),
     the same stored table: one digest. A small window makes the carry between batches drop
     rows. Checked, the fast engine hands whole lists to RowEncoder; unchecked, its kernel
-    stores them itself (sim/fast/kernel.py _page_lists), never calling the encoder."""
+    stores them itself (sim/fast/stored.py page_lists), never calling the encoder."""
     sc, base = _vidur(30)
     digests = {}
     with mock.patch.object(delta, "WINDOW", window), mock.patch.object(fast_engine, "_STEPS", 8):

@@ -47,7 +47,7 @@ def _positions(starts, offsets):  # type: ignore[no-untyped-def]
 @nb.njit(cache=True, nogil=True)
 def _slices(values, starts, offsets):  # type: ignore[no-untyped-def]
     """values[start[i]:start[i] + n] for each row as one array, n from the offsets: the
-    requests' tokens (~16M per 10k requests) without ranges()' int64 index temporaries."""
+    requests' tokens (~16M per 10k requests) without int64 index temporaries."""
     out = np.empty(offsets[-1], values.dtype)
     for i in range(len(starts)):
         out[offsets[i]:offsets[i + 1]] = values[starts[i]:starts[i] + offsets[i + 1] - offsets[i]]

@@ -3,8 +3,8 @@
 `table_digest` recomputes the trace's content digest (sim/trace/digest.py: sha256 per column
 for formats 1 and 2, xxh3-128 for format 3) from the tables as stored, to compare with the one
 the writer computed while streaming; only then are the delta-encoded page lists of formats 2 and
-3 decoded (sim/trace/delta.py). `Trace.tables` are always the logical tables (SCHEMAS),
-whichever format_version the directory has.
+3, and format 3's position runs, decoded (sim/trace/delta.py). `Trace.tables` are always the
+logical tables (SCHEMAS), whichever format_version the directory has.
 """
 
 from __future__ import annotations

@@ -54,10 +54,18 @@ def _slices(values, starts, offsets):  # type: ignore[no-untyped-def]
     return out
 
 
+def _c64(a: np.ndarray) -> np.ndarray:
+    """One layout for a compiled function's argument: a column of D is strided, except in a
+    one-request chunk (numpy calls that contiguous), and numba compiles each layout it meets.
+    A compile after warm() can land in the fuzzer's hang guard, whose alarm then broke numba's
+    type registry for the rest of the process (tests/unit/test_fast.py)."""
+    return np.ascontiguousarray(a, np.int64)
+
+
 def positions(starts: np.ndarray, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """[start, start+n) for each row as a list column (offsets int32, values int32), n from
     the offsets, in one compiled pass, without int64 temporaries."""
-    return offsets, _positions(np.ascontiguousarray(starts, np.int64), offsets)
+    return offsets, _positions(_c64(starts), offsets)
 
 
 def _listcol(flat: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -159,8 +167,8 @@ def _requests(eng: FastEngine, D: np.ndarray) -> dict[str, object]:
     return {
         "request": D[:, fl.D_RID], "arrival_ns": D[:, fl.D_ARR], "prompt_len": P,
         "output_len": D[:, fl.D_O],
-        "prompt_tokens": (p_off, _slices(eng.toks, D[:, fl.D_TOK], p_off)),
-        "output_tokens": (o_off, _slices(eng.toks, D[:, fl.D_TOK] + P, o_off)),
+        "prompt_tokens": (p_off, _slices(eng.toks, _c64(D[:, fl.D_TOK]), p_off)),
+        "output_tokens": (o_off, _slices(eng.toks, _c64(D[:, fl.D_TOK] + P), o_off)),
         "reused_tokens": zeros, "first_token_ns": D[:, fl.D_FIRST], "finish_ns": D[:, fl.D_FIN],
         "finish_reason": strings(reason, fl.REASONS), "num_preemptions": D[:, fl.D_NPRE],
         "num_steps": D[:, fl.D_GSTEPS], "accepted_drafts": zeros, "proposed_drafts": zeros}

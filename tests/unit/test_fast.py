@@ -9,6 +9,7 @@ null block, position limits, tiny pools (preemption, stalls) and chunked prefill
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,39 @@ def test_the_fuzzer_compiles_the_kernel_before_its_hang_guard(monkeypatch):
     hits, res = evaluate(sc, "vllm-v1")
     assert sim.fast._warm and hits == [] and res is not None
     assert res.summary["engine"] == "fast"
+
+
+def test_warm_compiles_everything_a_run_calls():
+    """Regression (fresh-clone CI): `_slices` met a strided column after warm() had compiled it
+    for a contiguous one, so the next run compiled again, inside the fuzzer's hang guard; the
+    alarm landed in numba's lazy type registry and every later compile in that process failed
+    ("generator raised StopIteration"). After warm(), runs of every kind compile nothing."""
+    import importlib
+    import pkgutil
+
+    from numba.core.registry import CPUDispatcher
+
+    import sim
+    import sim.fast
+
+    def signatures() -> dict[str, int]:
+        out = {}
+        for m in pkgutil.walk_packages(sim.__path__, "sim."):
+            for name, v in vars(importlib.import_module(m.name)).items():
+                if isinstance(v, CPUDispatcher):
+                    out[f"{m.name}.{name}"] = len(v.signatures)
+        return out
+
+    sim.fast.warm()
+    before = signatures()
+    sc, base = load_scenario(ROOT / "bench" / "workloads" / "a_vidur.toml")
+    syn = sc.workload.synthetic.model_copy(update={"num_requests": 40})  # type: ignore[union-attr]
+    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"synthetic": syn})})
+    with tempfile.TemporaryDirectory() as tmp:
+        for check, out in [(True, None), (False, "trace"), (True, "checked")]:
+            run(sc, out=None if out is None else Path(tmp) / out, check=check, base_dir=base,
+                collect=False)
+        ref, ref_base = load_scenario(ROOT / "scenarios" / "worked_example.toml")  # MTP, overlap
+        run(ref, out=Path(tmp) / "reference", base_dir=ref_base, collect=False)
+    after = signatures()
+    assert {k: (before.get(k), n) for k, n in after.items() if before.get(k) != n} == {}

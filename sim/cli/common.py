@@ -34,16 +34,14 @@ def user_errors() -> Iterator[None]:
         interrupt.check()  # a signal some extension swallowed still ends the run as one
     except KeyboardInterrupt:
         _interrupted()
-    except KvsimError as e:
-        if interrupt.pending():
-            _interrupted()
-        fail(str(e))
-    except Exception:
+    except Exception as e:
         # A KeyboardInterrupt raised inside an extension's import comes out as some other
         # error (pandas' Cython init turned one into SystemError or AttributeError): once a
         # signal was noted, whatever unwound the run is its consequence.
-        if interrupt.pending() and not isinstance(sys.exc_info()[1], typer.Exit):
+        if interrupt.pending() and not isinstance(e, typer.Exit):
             _interrupted()
+        if isinstance(e, KvsimError):
+            fail(str(e))
         raise
 
 

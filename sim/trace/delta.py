@@ -106,7 +106,7 @@ def _span(p, m, c_off, c_vals, off, vals):  # type: ignore[no-untyped-def]
 
 
 @nb.njit(cache=True)
-def common_prefix(x, y):  # type: ignore[no-untyped-def]
+def _common(x, y):  # type: ignore[no-untyped-def]
     """Length of the common prefix of x and y (as long as each other). Usually all of it (a
     decode row's list is its previous row's, plus a page at times): one pass the compiler
     vectorizes settles that, the id-by-id scan runs only when they differ. Slices indexed from
@@ -133,7 +133,7 @@ def _encode(prev, m, c_off, c_vals, off, vals):  # type: ignore[no-untyped-def]
         if prev[i] >= 0:
             src, s, e = _span(prev[i], m, c_off, c_vals, off, vals)
             n_both = min(e - s, b - a)
-            k = common_prefix(src[s:s + n_both], vals[a:a + n_both])
+            k = _common(src[s:s + n_both], vals[a:a + n_both])
         keep[i] = k
         t_off[i + 1] = t_off[i] + b - a - k
     t_vals = np.empty(t_off[n], np.int32)

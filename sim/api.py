@@ -107,8 +107,9 @@ class _Sink:
         if self.writer is not None:
             self.writer.add_columns("steps", ch.steps)
             if ch.rows:
-                self.writer.add_columns("rows", ch.rows, encoded=ch.rows_encoded)
-            self.writer.add_columns("blocks", ch.blocks)
+                self.writer.add_columns("rows", ch.rows, encoded=ch.rows_encoded,
+                                        keep=ch.rows_encoded)
+            self.writer.add_columns("blocks", ch.blocks, keep=ch.rows_encoded)
             self.writer.add_columns("requests", ch.requests)
         used = ch.steps["blocks_used"]
         if len(used):

@@ -30,7 +30,8 @@ class Chunk:
     requests: dict[str, object]
     spare_slots: np.ndarray  # per step: reserved - committed - new over rows (kv series)
     # rows' list columns are as stored, with DELTA_COLUMNS and RUN_COLUMNS (FastEngine delta:
-    # the trace writer stores them as they are), not whole lists
+    # the trace writer stores them as they are), not whole lists; and the rows' and events'
+    # columns are the writer's to keep, not copy (FastEngine._drain hands their buffers over)
     rows_encoded: bool = False
 
 

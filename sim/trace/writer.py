@@ -171,14 +171,16 @@ class TraceWriter:
         for e in events:
             self.add("blocks", e)
 
-    def add_columns(self, table: str, cols: Mapping[str, object], encoded: bool = False) -> None:
+    def add_columns(self, table: str, cols: Mapping[str, object], encoded: bool = False,
+                    keep: bool = False) -> None:
         """A batch already in columns (the fast engine): numpy arrays, Arrow arrays, or
         (offsets, values) for list columns, in schema order. Same digest as the same values
-        added record by record. List columns' values and Arrow arrays are kept without a copy:
-        the caller must not write them afterwards. `encoded` rows come as stored (STORED: tails
-        and DELTA_COLUMNS, by RowEncoder's rule); a run hands over all its rows one way."""
+        added record by record. List columns' values and Arrow arrays are kept without a copy,
+        and with `keep` numpy columns too: the caller must not write them afterwards. `encoded`
+        rows come as stored (STORED: tails and DELTA_COLUMNS, by RowEncoder's rule); a run
+        hands over all its rows one way."""
         self._flush(table)  # records added before go first (and through the row encoder first)
-        batch = self._stored(table, cols, encoded)
+        batch = self._stored(table, cols, encoded, keep)
         if batch.num_rows == 0:
             return
         self.counts[table] += batch.num_rows
@@ -209,8 +211,8 @@ class TraceWriter:
         self.counts[table] += len(b)
         b.clear()
 
-    def _stored(self, table: str, cols: Mapping[str, object],
-                encoded: bool = False) -> pa.RecordBatch:
+    def _stored(self, table: str, cols: Mapping[str, object], encoded: bool = False,
+                keep: bool = False) -> pa.RecordBatch:
         """Logical columns -> the record batch as stored (STORED): rows are delta-encoded."""
         if table == "rows":
             # prev_row counts rows from the first: two encoders in one trace would disagree
@@ -223,7 +225,7 @@ class TraceWriter:
                 cols = self.encoder.encode(cols)
         schema = STORED[table]
         return pa.RecordBatch.from_arrays(
-            [columnar_arrow(cols[f.name], f.type) for f in schema], schema=schema)
+            [columnar_arrow(cols[f.name], f.type, keep) for f in schema], schema=schema)
 
     def close(self, violations: list[Violation], manifest: dict) -> Path:
         for v in violations:
@@ -258,10 +260,10 @@ class TraceWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def columnar_arrow(v: object, t: pa.DataType) -> pa.Array:
+def columnar_arrow(v: object, t: pa.DataType, keep: bool = False) -> pa.Array:
     """numpy -> Arrow. A list column's values (the bulk: page ids) are kept without a copy;
     the caller hands them over (add_columns), as it does an Arrow array. Everything else is
-    copied: the fast engine's scalar columns are views of buffers it reuses."""
+    copied (the fast engine's checked runs reuse those buffers) unless `keep`: handed over."""
     if isinstance(v, tuple):  # list column
         offsets, values = v
         return pa.ListArray.from_arrays(from_numpy(np.array(offsets, np.int32), pa.int32()),
@@ -274,7 +276,7 @@ def columnar_arrow(v: object, t: pa.DataType) -> pa.Array:
         names, codes = np.unique(np.asarray(v).astype(str), return_inverse=True)
         return strings(codes, tuple(names.tolist()))
     dtype = {pa.bool_(): bool, pa.uint64(): np.uint64}.get(t, np.int64)
-    return from_numpy(np.array(v, dtype), t)
+    return from_numpy(np.asarray(v, dtype) if keep else np.array(v, dtype), t)
 
 
 def from_numpy(a: np.ndarray, t: pa.DataType) -> pa.Array:

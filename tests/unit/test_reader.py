@@ -136,12 +136,18 @@ def test_statistics_where_readers_filter_and_codecs_where_they_pay(tmp_path: Pat
     group = pq.ParquetFile(out / "rows.parquet").metadata.row_group(0)
     codecs = {group.column(i).path_in_schema: group.column(i).compression
               for i in range(group.num_columns)}
-    # token ids are entropy once bit-packed: not compressed again
-    assert (codecs["tokens.list.element"], codecs["pages.list.element"]) == ("UNCOMPRESSED", "LZ4")
-    # ordinals that jump between interleaved requests split by byte; what climbs, delta-encoded
+    assert (codecs["tokens.list.element"], codecs["pages.list.element"]) == ("LZ4", "LZ4")
+    # ordinals that jump between interleaved requests, and token ids, split by byte (lz4 then
+    # takes the ids' zero high bytes); what climbs, delta-encoded
     encodings = {group.column(i).path_in_schema: group.column(i).encodings
                  for i in range(group.num_columns)}
     assert "BYTE_STREAM_SPLIT" in encodings["request"]
+    assert "BYTE_STREAM_SPLIT" in encodings["tokens.list.element"]
     assert "DELTA_BINARY_PACKED" in encodings["step"]
+    assert "DELTA_BINARY_PACKED" in encodings["pages.list.element"]
+    req = pq.ParquetFile(out / "requests.parquet").metadata.row_group(0)
+    assert {"BYTE_STREAM_SPLIT"} <= {e for i in range(req.num_columns)
+                                     if "tokens" in req.column(i).path_in_schema
+                                     for e in req.column(i).encodings}
     t = pq.read_table(out / "rows.parquet", filters=[("step", ">=", 3)])
     assert t.num_rows and min(t.column("step").to_pylist()) == 3

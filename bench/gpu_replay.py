@@ -25,6 +25,8 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`), done ahead of
   the steps and not in the wall: `prepare_gen_ms_per_step` over the generation steps and
   `ratio_gen_incl_prepare` = (wall + that) / kernels, the end-to-end ratio of a long replay.
+- --device-time: one more pass under the torch profiler (CUDA activity only): device µs per
+  generation step by kernel (`device_us_per_step`), where a device-bound replay's time goes.
 - --sweep 64x2048,128x8192,...: the benchmark trace at each batch x kv_len, all of the above but
   the profile and phases (`sizes`): the ratio as the kernels get more work per step.
 - --before B.json: the same command's result for the code before a change, run in the same
@@ -174,7 +176,39 @@ def phases_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
     return out
 
 
-def measure(path: Path, phases: bool = False, profile: bool = False) -> dict[str, Any]:
+def device_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
+    """Device µs per generation step by kernel (torch profiler, CUDA activity only), from
+    `first`'s start to `last`'s end: what each part of the full verdicts costs the device when
+    the replay is device-bound. "busy" is their sum; each name is cut to 60 characters."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CUDA])
+
+    def on_step(step: int, what: str) -> None:
+        if (step, what) in ((first, "start"), (last, "done")):
+            torch.cuda.synchronize()
+            if what == "start":
+                prof.start()
+            else:
+                prof.stop()
+
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step)
+    n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
+    tot: dict[str, float] = {}
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        t = e.self_cuda_time_total if t is None else t
+        if t > 0:
+            tot[e.key[:60]] = tot.get(e.key[:60], 0.0) + t / n
+    out = dict(sorted(tot.items(), key=lambda kv: -kv[1]))
+    out["busy"] = sum(tot.values())
+    for k, v in out.items():
+        print(f"device {k:60s} {v:9.1f} us/step")
+    return out
+
+
+def measure(path: Path, phases: bool = False, profile: bool = False,
+            device: bool = False) -> dict[str, Any]:
     """Every pass over one trace (module docstring); the figures of one result."""
     trace = load_trace(path)
     first, last = trace.steps[1].step, trace.steps[-1].step
@@ -183,6 +217,7 @@ def measure(path: Path, phases: bool = False, profile: bool = False) -> dict[str
     wall2, wait2, res2 = wall_pass(trace, first, last)
     ms = kernel_pass(trace)
     ph = phases_pass(trace, first, last) if phases else None
+    dev = device_pass(trace, first, last) if device else None
     if profile:
         profile_pass(trace, first, last)
     kern = sum(ms) / len(ms)
@@ -205,10 +240,12 @@ def measure(path: Path, phases: bool = False, profile: bool = False) -> dict[str
            "kernel_ms_min_max": [min(ms), max(ms)]}
     if ph is not None:
         out["phases_us_per_step"] = ph
+    if dev is not None:
+        out["device_us_per_step"] = dev
     return out
 
 
-def sweep(sizes: str, work: Path) -> list[dict[str, Any]]:
+def sweep(sizes: str, work: Path, device: bool = False) -> list[dict[str, Any]]:
     """The benchmark trace at each BATCHxKV of `sizes` (e.g. 64x2048,128x8192), one at a time:
     how the wall/kernel ratio moves as the kernels get more work per step."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
@@ -218,7 +255,7 @@ def sweep(sizes: str, work: Path) -> list[dict[str, Any]]:
     for size in sizes.split(","):
         batch, kv = (int(x) for x in size.lower().split("x"))
         path = big_verify(work / f"big_{batch}x{kv}", batch=batch, kv=kv)
-        r = measure(path)
+        r = measure(path, device=device)
         print(f"batch {batch:4d} kv {kv:6d}: wall {r['wall_ms_per_step']:.3f} ms/step, kernels "
               f"{r['kernel_ms_per_step']:.3f}, ratio {r['ratio']:.2f}x "
               f"(repeat {r['repeat']['ratio']:.2f}x), with prepare "
@@ -237,6 +274,8 @@ def main() -> None:
                     help="cProfile one more, untimed pass (host time)")
     ap.add_argument("--phases", action="store_true",
                     help="one more pass: host µs per generation step by phase")
+    ap.add_argument("--device-time", action="store_true",
+                    help="one more pass: device µs per generation step by kernel (torch profiler)")
     ap.add_argument("--sweep", metavar="BxKV,...",
                     help="instead of TRACE: the benchmark trace at each batch x kv_len, written "
                     "under --work (e.g. 64x2048,128x8192)")
@@ -255,9 +294,9 @@ def main() -> None:
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
     out["commit"] = commit
     if a.sweep:
-        out["sizes"] = sweep(a.sweep, a.work)
+        out["sizes"] = sweep(a.sweep, a.work, a.device_time)
     else:
-        out |= measure(a.trace, a.phases, a.profile)
+        out |= measure(a.trace, a.phases, a.profile, a.device_time)
     if a.before:
         out["before"] = _before(json.loads(a.before.read_text()))
     if a.note:

@@ -25,6 +25,8 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`), done ahead of
   the steps and not in the wall: `prepare_gen_ms_per_step` over the generation steps and
   `ratio_gen_incl_prepare` = (wall + that) / kernels, the end-to-end ratio of a long replay.
+- --watch incremental|full: the replay's page watch (`gpu_backend/watch.py`; default
+  incremental): full sums the whole pool every step, a third of a device-bound step.
 - --device-time: one more pass under the torch profiler (CUDA activity only): device µs per
   generation step by kernel (`device_us_per_step`), where a device-bound replay's time goes.
 - --sweep 64x2048,128x8192,...: the benchmark trace at each batch x kv_len, all of the above but
@@ -53,6 +55,8 @@ from gpu_backend.driver import ReplayResult, max_ok_error, replay
 from gpu_backend.replay import FlashInferKernels
 from gpu_backend.tracedata import TraceData, load_trace
 
+WATCH = ["incremental"]  # every pass's page watch (--watch)
+
 
 def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, ReplayResult]:
     """(ms per step from `first` to `last`, ms per step the host waited for the device inside
@@ -67,7 +71,7 @@ def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, Re
             marks[what] = time.perf_counter()
             marks["wait_" + what] = k.wait_s
 
-    res = replay(trace, k, "cuda", on_step=on_step)
+    res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
             (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, res)
@@ -76,7 +80,7 @@ def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, Re
 def kernel_pass(trace: TraceData) -> list[float]:
     """Per generation step, the device ms of its append + attention launches."""
     k = FlashInferKernels(trace.model.num_q_heads, "cuda", timing=True)
-    replay(trace, k, "cuda")
+    replay(trace, k, "cuda", watch=WATCH[0])
     return k.kernel_ms()[1:]
 
 
@@ -90,7 +94,8 @@ def profile_pass(trace: TraceData, first: int, last: int) -> None:
         elif (step, what) == (last, "done"):
             prof.disable()
 
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step)
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step,
+           watch=WATCH[0])
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(45)
     pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
@@ -165,7 +170,7 @@ def phases_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
 
     try:
         replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda",
-               on_step=on_step)
+               on_step=on_step, watch=WATCH[0])
     finally:
         for obj, attr, fn in saved:
             setattr(obj, attr, fn)
@@ -192,7 +197,8 @@ def device_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
             else:
                 prof.stop()
 
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step)
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step,
+           watch=WATCH[0])
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     tot: dict[str, float] = {}
     for e in prof.key_averages():
@@ -212,7 +218,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     """Every pass over one trace (module docstring); the figures of one result."""
     trace = load_trace(path)
     first, last = trace.steps[1].step, trace.steps[-1].step
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")  # JIT, warm-up
+    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda",
+           watch=WATCH[0])  # JIT, warm-up
     wall, wait, res = wall_pass(trace, first, last)
     wall2, wait2, res2 = wall_pass(trace, first, last)
     ms = kernel_pass(trace)
@@ -232,7 +239,7 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
            "ratio_incl_prepare": (wall + prep) / kern,
            "prepare_gen_ms_per_step": prep_gen,
            "ratio_gen_incl_prepare": (wall + prep_gen) / kern, "counts": res.counts(),
-           "max_ok_err": max_ok_error(res), "rows_checked": len(rows),
+           "max_ok_err": max_ok_error(res), "rows_checked": len(rows), "watch_used": res.watch,
            "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,
                       "ratio": wall2 / kern,
                       "same_verdicts": [r.verdict for r in res.rows] ==
@@ -274,6 +281,8 @@ def main() -> None:
                     help="cProfile one more, untimed pass (host time)")
     ap.add_argument("--phases", action="store_true",
                     help="one more pass: host µs per generation step by phase")
+    ap.add_argument("--watch", choices=("incremental", "full"), default="incremental",
+                    help="the replay's page watch (gpu_backend/watch.py)")
     ap.add_argument("--device-time", action="store_true",
                     help="one more pass: device µs per generation step by kernel (torch profiler)")
     ap.add_argument("--sweep", metavar="BxKV,...",
@@ -291,8 +300,9 @@ def main() -> None:
         ap.error("give a TRACE directory or --sweep, not both")
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                         capture_output=True, text=True).stdout.strip()
+    WATCH[0] = a.watch
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
-    out["commit"] = commit
+    out["commit"], out["watch"] = commit, a.watch
     if a.sweep:
         out["sizes"] = sweep(a.sweep, a.work, a.device_time)
     else:

@@ -43,6 +43,7 @@ from gpu_backend.oracle import (
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.tracedata import TraceData
+from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
 from sim.trace.records import RowRecord
 
 GUARD_PAGES = 16
@@ -86,6 +87,7 @@ class ReplayResult:
     stats: dict[str, Any] = field(default_factory=dict)
     prepare_s: float = 0.0  # host seconds spent in `prepare` (not serialized: timing noise)
     prepare_step_s: dict[int, float] = field(default_factory=dict)  # step -> its share of it
+    watch: str = ""  # how page changes were found (`replay`'s watch)
 
     def counts(self) -> dict[str, int]:
         out = dict.fromkeys(VERDICTS, 0)
@@ -126,9 +128,26 @@ def apply_events(pool: KVPool, trace: TraceData, step: int,
 
 def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float = DEFAULT_TOL,
            skip: dict[int, str] | None = None,
-           on_step: Callable[[int, str], None] | None = None) -> ReplayResult:
+           on_step: Callable[[int, str], None] | None = None,
+           watch: str = "incremental") -> ReplayResult:
     """Replay every step of `trace`. `skip` maps steps not to run to a fault message (--isolate);
-    `on_step(step, "start"|"done")` is called around each step (the child's progress report)."""
+    `on_step(step, "start"|"done")` is called around each step (the child's progress report).
+    watch: how page changes are found (`gpu_backend.watch`): "incremental" (the step's target
+    pages, the whole pool every few steps; replayed again with "full" if a page changed
+    elsewhere) or "full" (the whole pool every step). The verdicts are the same."""
+    if watch == "incremental" and not skip:
+        try:
+            return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch)
+        except Unseen as e:
+            res = _replay(trace, kernels, device, tol, {}, on_step, FullWatch)
+            res.watch = f"full (incremental found {e})"
+            return res
+    return _replay(trace, kernels, device, tol, skip or {}, on_step, FullWatch)
+
+
+def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,
+            skip: dict[int, str], on_step: Callable[[int, str], None] | None,
+            make_watch: Callable[[KVPool], Watch]) -> ReplayResult:
     m = trace.model
     dt = torch_dtype(m.dtype)
     pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt, device)
@@ -138,18 +157,21 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
                       free=list(range(slots))[::-1])
     res = ReplayResult(kernels.name, str(trace.path), tol)
     pending: list[Pending] = []
-    before = pool.checksum()
-    for p in prepared_steps(trace, state, device):
+    watch = make_watch(pool)
+    res.watch = watch.name
+    steps = prepared_steps(trace, state, device)
+    nxt = next(steps, None)
+    while nxt is not None:
+        p, nxt = nxt, next(steps, None)  # the next step's touched pages are checked ahead
         if on_step:
             on_step(p.step.step, "start")
-        _apply_events(pool, p, before)
-        before, pend = _one_step(pool, truth, kernels, p, before, skip or {}, m.num_q_heads)
-        pending.append(pend)
-        if len(pending) >= FLUSH:
-            _flush(res, pending)
+        _apply_events(pool, p)
+        watch.after_events(p)
+        pending.append(_one_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
+        if len(pending) >= FLUSH or nxt is None:
+            _flush(res, pending, watch)
         if on_step:
             on_step(p.step.step, "done")
-    _flush(res, pending)
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     stats = getattr(kernels, "stats", None)
     if callable(stats):
@@ -159,39 +181,39 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
 
 @dataclass
 class Pending:
-    """A step whose verdicts are still on the device: per-token errors and moved pages, or the
-    fault message that replaces them."""
+    """A step whose verdicts are still on the device: per-token errors and moved pages (the
+    watch's form), or the fault message that replaces them."""
     p: Prepared
     tok: torch.Tensor | None
     changed: torch.Tensor | None
     fault: str = ""
 
 
-def _apply_events(pool: KVPool, p: Prepared, before: torch.Tensor) -> None:
+def _apply_events(pool: KVPool, p: Prepared) -> None:
     """The last step's rewind and this step's block events (`prepare._pool_ops`)."""
     for kind, a, b, n in p.ops:
         if kind == "nan":
             pool.poison_rows(p.dv[f"ev{a}"])
         else:
             pool.copy_slots(a, b, n)
-    if p.touched:  # only the touched pages' sums moved since the last step's checksum
-        pool.resum(before, p.dv["touched"])
 
 
 def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,
-              before: torch.Tensor, skip: dict[int, str], hq: int
-              ) -> tuple[torch.Tensor, Pending]:
+              nxt: Prepared | None, watch: Watch, skip: dict[int, str], hq: int) -> Pending:
     dv, b = p.dv, p.b
     kv, q, tq = _content(pool, truth, p, hq)
     if b.step in skip:
-        return pool.checksum(), Pending(p, None, None, skip[b.step])
+        watch.on_fault()
+        return Pending(p, None, None, skip[b.step])
+    watch.before_kernels(p)
     try:
         out = kernels.run_step(pool, b, p.rows, dv, kv[0], kv[1], q)
     except KernelFault as e:
-        return pool.checksum(), Pending(p, None, None, str(e))
+        watch.on_fault()
+        return Pending(p, None, None, str(e))
     ref = reference(truth, dv, p.groups, q if tq is None else tq)
-    after, changed = pool.sums_and_changes(before)
-    return after, Pending(p, token_errors(out, ref), changed)
+    changed = watch.after_kernels(p, nxt, nxt is None)
+    return Pending(p, token_errors(out, ref), changed)
 
 
 def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int
@@ -222,23 +244,29 @@ def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int
     return kv, q, tq
 
 
-def _flush(res: ReplayResult, pending: list[Pending]) -> None:
-    """Read the pending steps' device data back (one sync) and append their rows' verdicts."""
+def _flush(res: ReplayResult, pending: list[Pending], watch: Watch) -> None:
+    """Read the pending steps' device data back (one sync) and append their rows' verdicts.
+    Raises Unseen if the incremental watch saw a page change outside the steps' targets."""
     toks_d = [x.tok for x in pending if x.tok is not None]
     moved_d = [x.changed for x in pending if x.changed is not None]
+    flag = watch.stale()
+    if flag is not None and int(flag.item()):
+        raise Unseen("a page changed outside the steps' target pages")
     toks = torch.cat(toks_d, 1).cpu().numpy() if toks_d else None
-    changed = torch.stack(moved_d).cpu().numpy() if moved_d else None
-    off = i = 0
+    moved = torch.cat(moved_d).cpu().numpy() if moved_d else None
+    off = at = 0
     for x in pending:
         b, rows = x.p.b, x.p.rows
-        if x.tok is None:
+        if x.tok is None or x.changed is None:
             code = np.full(b.num_rows, FAULT)
             err = np.full(b.num_rows, np.nan, dtype=np.float32)
         else:
-            assert toks is not None and changed is not None
-            code, err = verdicts(b, toks[:, off: off + b.num_tokens], changed[i], res.tol)
+            assert toks is not None and moved is not None
+            n = int(x.changed.numel())
+            changed = watch.changed_pages(x.p, moved[at: at + n])
+            code, err = verdicts(b, toks[:, off: off + b.num_tokens], changed, res.tol)
             off += b.num_tokens
-            i += 1
+            at += n
         for r, c, e in zip(rows, code.tolist(), err.tolist(), strict=True):
             res.rows.append(RowResult(r.step, r.row, r.request, r.phase, r.q_len, VERDICTS[c],
                                       float(e), x.fault if c == FAULT else ""))

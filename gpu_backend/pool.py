@@ -175,6 +175,42 @@ class KVPool:
         after = self.checksum()
         return after, after != before
 
+    def pre_check(self, idx: torch.Tensor, sums: torch.Tensor, pre: torch.Tensor,
+                  stamp: torch.Tensor, flag: torch.Tensor, step: int) -> None:
+        """Pages idx (distinct) before a step's kernels: pre[idx] = their sums, stamp[idx] =
+        step, and flag = 1 if a sum differs from its expected value in `sums`
+        (`watch.IncrementalWatch`)."""
+        fused = _fused() if idx.is_cuda else None
+        if fused is not None:
+            fused.pre_check(self.words, idx, sums, pre, stamp, flag, step)
+            return
+        s = self.checksum(idx)
+        pre[idx], stamp[idx] = s, step
+        flag |= (s != sums[idx]).any().to(flag.dtype)
+
+    def post_check(self, idx: torch.Tensor | None, ahead: torch.Tensor | None,
+                   sums: torch.Tensor, pre: torch.Tensor, stamp: torch.Tensor,
+                   flag: torch.Tensor, step: int) -> torch.Tensor:
+        """After a step's kernels: for pages idx (pre_check's), moved = sum != pre[idx] (the
+        result, bool) and sums[idx] = the sum; pages `ahead` not stamped with this step: flag = 1
+        if a sum differs from its expected value."""
+        fused = _fused() if flag.is_cuda else None
+        if fused is not None:
+            return fused.post_check(self.words, idx, ahead, sums, pre, stamp, flag, step)
+        moved = torch.zeros(0, dtype=torch.bool, device=flag.device)
+        if idx is not None:
+            s = self.checksum(idx)
+            moved = s != pre[idx]
+            sums[idx] = s
+        if ahead is not None:
+            ahead = ahead[stamp[ahead] != step]
+            flag |= (self.checksum(ahead) != sums[ahead]).any().to(flag.dtype)
+        return moved
+
+    def full_check(self, sums: torch.Tensor, flag: torch.Tensor) -> None:
+        """flag = 1 if any page's sum differs from its expected value."""
+        flag |= (self.checksum() != sums).any().to(flag.dtype)
+
     def copy_slots(self, dst: int, src: int, n: int) -> None:
         self.data[dst, :, :n] = self.data[src, :, :n]
 

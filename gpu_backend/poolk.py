@@ -40,3 +40,70 @@ def resum(words: torch.Tensor, sums: torch.Tensor, idx: torch.Tensor) -> None:
     if idx.numel():
         _sums((int(idx.numel()),), words, idx, sums, W=W, BLOCK=min(triton.next_power_of_2(W),
                                                                     2048))
+
+
+@triton.jit
+def _page_sum(WORDS, page, W: tl.constexpr, BLOCK: tl.constexpr):
+    base = WORDS + page * W
+    acc = tl.zeros([BLOCK], tl.int64)
+    for w0 in range(0, W, BLOCK):
+        j = w0 + tl.arange(0, BLOCK)
+        acc += tl.load(base + j, mask=j < W, other=0)
+    return tl.sum(acc, 0)
+
+
+@triton.jit(do_not_specialize=["step"])
+def _pre_kernel(WORDS, IDX, SUMS, PRE, STAMP, FLAG, step, W: tl.constexpr, BLOCK: tl.constexpr):
+    page = tl.load(IDX + tl.program_id(0))
+    s = _page_sum(WORDS, page, W, BLOCK)
+    tl.store(PRE + page, s)
+    tl.store(STAMP + page, step)
+    tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
+
+
+@triton.jit(do_not_specialize=["step", "n"])
+def _post_kernel(WORDS, IDX, n, AHEAD, SUMS, PRE, STAMP, MOVED, FLAG, step, W: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Programs [0, n): the step's targets (moved, new expected sum); the rest: pages the next
+    step's events touch, checked unless they were this step's targets (their sums are being
+    rewritten by the first programs: STAMP says which, written by _pre_kernel's launch)."""
+    i = tl.program_id(0)
+    if i < n:
+        page = tl.load(IDX + i)
+        s = _page_sum(WORDS, page, W, BLOCK)
+        tl.store(MOVED + i, (s != tl.load(PRE + page)).to(tl.int8))
+        tl.store(SUMS + page, s)
+    else:
+        page = tl.load(AHEAD + i - n)
+        if tl.load(STAMP + page) != step:
+            s = _page_sum(WORDS, page, W, BLOCK)
+            tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
+
+
+_pre = Launcher(_pre_kernel, num_warps=8)
+_post = Launcher(_post_kernel, num_warps=8)
+
+
+def _block(W: int) -> int:
+    return min(triton.next_power_of_2(W), 2048)
+
+
+def pre_check(words: torch.Tensor, idx: torch.Tensor, sums: torch.Tensor, pre: torch.Tensor,
+              stamp: torch.Tensor, flag: torch.Tensor, step: int) -> None:
+    """`KVPool.pre_check` in one launch."""
+    W = int(words.shape[1])
+    _pre((int(idx.numel()),), words, idx, sums, pre, stamp, flag, step, W=W, BLOCK=_block(W))
+
+
+def post_check(words: torch.Tensor, idx: torch.Tensor | None, ahead: torch.Tensor | None,
+               sums: torch.Tensor, pre: torch.Tensor, stamp: torch.Tensor, flag: torch.Tensor,
+               step: int) -> torch.Tensor:
+    """`KVPool.post_check` in one launch: the moved flags of idx, bool."""
+    n = 0 if idx is None else int(idx.numel())
+    m = 0 if ahead is None else int(ahead.numel())
+    moved = torch.empty(n, dtype=torch.int8, device=flag.device)
+    if n + m:
+        _post((n + m,), words, sums if idx is None else idx, n, sums if ahead is None else ahead,
+              sums, pre, stamp, moved, flag, step, W=int(words.shape[1]),
+              BLOCK=_block(int(words.shape[1])))
+    return moved.view(torch.bool)

@@ -61,6 +61,7 @@ class Prepared:
     truth_same: bool  # truth K/V/Q of the queries == the engine's (one content pass)
     q_identity: bool  # the queries are the appends (no device-ahead extras)
     groups: list[RefGroup]
+    wpages: np.ndarray  # pool indices the engine's appends target, distinct (`watch`)
 
 
 @dataclass
@@ -135,6 +136,10 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
     arrays |= _step_arrays(b, slots) | run_arrays(b)
     if touched:
         arrays["touched"] = np.unique(touched)
+    ew = b.engine_write
+    wpages = np.unique(ew[(ew >= 0) & (ew < st.trace.model.num_blocks + 2 * st.guard)])
+    if len(wpages):
+        arrays["wpages"] = wpages
     eng_nan, same = _content_arrays(st, b, arrays)
     groups = _ref_groups(b, slots, arrays)
     st.rewind = None
@@ -146,7 +151,7 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
         if st.last.get(req) == b.step and req in st.slot:
             st.free.append(st.slot.pop(req))
     return Prepared(s, rows, b, stage(chunk, arrays), ops, bool(touched), fill, eng_nan, same,
-                    b.num_tokens == len(b.app_tokens), groups)
+                    b.num_tokens == len(b.app_tokens), groups, wpages)
 
 
 def _pool_ops(st: HostState, ops: list[PoolOp], touched: list[int],

@@ -28,7 +28,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from gpu_backend.poolk import resum  # noqa: F401  (pool reaches the kernels through here)
+from gpu_backend.poolk import (  # noqa: F401  (pool reaches the kernels through here)
+    post_check,
+    pre_check,
+    resum,
+)
 from gpu_backend.tlaunch import Launcher
 
 

@@ -39,20 +39,22 @@ def make_kernels(backend: str, trace: TraceData, timing: bool = False) -> tuple[
 
 
 def run_replay(trace_dir: str | Path, backend: str, tol: float,
-               skip: dict[int, str] | None = None, on_step: Any = None) -> ReplayResult:
+               skip: dict[int, str] | None = None, on_step: Any = None,
+               watch: str = "incremental") -> ReplayResult:
     trace = load_trace(trace_dir)
     kernels, device = make_kernels(backend, trace)
-    return replay(trace, kernels, device, tol, skip=skip, on_step=on_step)
+    return replay(trace, kernels, device, tol, skip=skip, on_step=on_step, watch=watch)
 
 
 def to_json(res: ReplayResult) -> dict[str, Any]:
     return {"trace": res.trace, "backend": res.backend, "tol": res.tol, "counts": res.counts(),
-            "max_ok_err": max_ok_error(res), "stats": res.stats,
+            "max_ok_err": max_ok_error(res), "stats": res.stats, "watch": res.watch,
             "rows": [asdict(r) for r in res.rows]}
 
 
 def from_json(d: dict[str, Any]) -> ReplayResult:
-    res = ReplayResult(d["backend"], d["trace"], d["tol"], stats=d.get("stats", {}))
+    res = ReplayResult(d["backend"], d["trace"], d["tol"], stats=d.get("stats", {}),
+                       watch=d.get("watch", ""))
     res.rows = [RowResult(**r) for r in d["rows"]]
     return res
 

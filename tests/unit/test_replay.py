@@ -115,6 +115,20 @@ def test_cli_exit_codes_and_json(tmp_path: Path) -> None:
     assert p.returncode == 2 and "Traceback" not in p.stderr + p.stdout
 
 
+def test_cli_watch_choices(tmp_path: Path) -> None:
+    bad = SCENARIOS["append_past_alloc"](tmp_path / "bad")
+    outs = {}
+    for watch in ("full", "incremental"):
+        p = _cli(str(bad), "--backend", "reference", "--watch", watch,
+                 "--json", str(tmp_path / f"{watch}.json"))
+        assert p.returncode == 1 and f"pages watched: {watch}" in p.stdout
+        outs[watch] = json.loads((tmp_path / f"{watch}.json").read_text())
+    assert outs["full"]["rows"] == outs["incremental"]["rows"]
+    assert outs["full"]["counts"]["corrupt"] == 1
+    p = _cli(str(bad), "--backend", "reference", "--watch", "sometimes")
+    assert p.returncode == 2 and "--watch 'sometimes'" in p.stdout and "Traceback" not in p.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
 def test_cli_flashinfer_without_cuda_says_so(tmp_path: Path) -> None:
     p = _cli(str(SCENARIOS["clean_decode"](tmp_path / "t")))

@@ -1,0 +1,112 @@
+"""Which pool pages a step's kernels changed (DESIGN §6 "Writes"), two ways with one answer.
+
+`FullWatch` sums every page of the pool after every step and compares: the obvious check, and
+on the GPU a third full read of the KV bytes per step beside FlashInfer's and the reference's
+(the device is then busy ~2.9-3.0x the kernels' own time: docs/gpu.md, round 7).
+
+`IncrementalWatch` reads, per step, only the pages the step's appends target (`wpages`: the
+engine's table, known ahead) and keeps an *expected* sum for every page:
+  - after the block events, the pages they touched are re-summed (both watches do this);
+  - before the kernels, the target pages are summed (`pre`); a sum that differs from its
+    expected value means something changed that page unseen since the last look: stale;
+  - after the kernels, the targets are summed again: changed = after != pre, expected = after;
+    and the pages the next step's events will touch are checked against their expected sums
+    before those events overwrite them (their content would hide an earlier change);
+  - every `every` steps, and after the last, the whole pool is summed once and compared with the
+    expected sums: any page changed where no append was aimed shows there.
+So a page changed outside the targets is never absorbed into an expected sum unchecked. If the
+replay ends with nothing stale, each step's changed pages are exactly FullWatch's (outside the
+targets nothing changed; on them the same before/after sums); if anything was stale, the driver
+replays the trace again with FullWatch, whose per-step answer the verdicts then use. One extra
+full pass per `every` steps instead of one per step; the re-run costs only when a kernel wrote
+where the engine's metadata did not aim it, which FullWatch then attributes to its step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from gpu_backend.pool import KVPool
+from gpu_backend.prepare import Prepared
+
+EVERY = 16  # steps between IncrementalWatch's whole-pool checks
+
+
+class Unseen(Exception):
+    """IncrementalWatch found a page changed where no append aimed: replay with FullWatch."""
+
+
+class FullWatch:
+    name = "full"
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.sums = pool.checksum()  # every page's sum as of the last look
+
+    def after_events(self, p: Prepared) -> None:
+        if p.touched:  # only the touched pages' sums moved since the last step's checksum
+            self.pool.resum(self.sums, p.dv["touched"])
+
+    def before_kernels(self, p: Prepared) -> None:
+        pass
+
+    def after_kernels(self, p: Prepared, nxt: Prepared | None, last: bool) -> torch.Tensor:
+        """The step's moved pages, on the device: [pages] bool."""
+        self.sums, changed = self.pool.sums_and_changes(self.sums)
+        return changed
+
+    def on_fault(self) -> None:
+        """The step did not run to the end: take the pool as it is."""
+        self.sums = self.pool.checksum()
+
+    def stale(self) -> torch.Tensor | None:
+        return None
+
+    def changed_pages(self, p: Prepared, moved: np.ndarray) -> np.ndarray:
+        return moved
+
+
+class IncrementalWatch:
+    name = "incremental"
+
+    def __init__(self, pool: KVPool, every: int = EVERY):
+        self.pool, self.every, self.n = pool, every, 0
+        self.sums = pool.checksum()  # expected sums
+        self.pre = torch.zeros_like(self.sums)  # the targets' sums before the step's kernels
+        # step stamp of the last step whose targets included the page (-1: none yet)
+        self.stamp = torch.full_like(self.sums, -1)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=self.sums.device)  # stale if != 0
+
+    def after_events(self, p: Prepared) -> None:
+        if p.touched:  # checked before the events ran: after_kernels of the step before
+            self.pool.resum(self.sums, p.dv["touched"])
+
+    def before_kernels(self, p: Prepared) -> None:
+        if len(p.wpages):
+            self.pool.pre_check(p.dv["wpages"], self.sums, self.pre, self.stamp, self.flag,
+                                p.b.step)
+
+    def after_kernels(self, p: Prepared, nxt: Prepared | None, last: bool) -> torch.Tensor:
+        """The targets' moved flags, on the device: [len(p.wpages)] bool."""
+        ahead = nxt.dv["touched"] if nxt is not None and nxt.touched else None
+        changed = self.pool.post_check(p.dv["wpages"] if len(p.wpages) else None, ahead,
+                                       self.sums, self.pre, self.stamp, self.flag, p.b.step)
+        self.n += 1
+        if last or self.n % self.every == 0:
+            self.pool.full_check(self.sums, self.flag)
+        return changed
+
+    def on_fault(self) -> None:
+        raise Unseen("a step faulted: its partial writes are attributed by the full watch")
+
+    def stale(self) -> torch.Tensor | None:
+        return self.flag
+
+    def changed_pages(self, p: Prepared, moved: np.ndarray) -> np.ndarray:
+        out = np.zeros(self.pool.total, dtype=bool)
+        out[p.wpages] = moved
+        return out
+
+
+Watch = FullWatch | IncrementalWatch

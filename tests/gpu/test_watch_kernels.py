@@ -1,0 +1,93 @@
+"""The incremental page watch on the GPU: its Triton kernels (gpu_backend/poolk.py pre_check,
+post_check) against the torch path, and FlashInfer replays with stray writes, as in
+tests/unit/test_watch.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from replay_traces import SCENARIOS
+from watch_cases import CASES, Stray, find_case
+
+from gpu_backend import oracle
+from gpu_backend.driver import ReplayResult, replay
+from gpu_backend.pool import KVPool
+from gpu_backend.tracedata import TraceData, load_trace
+
+pytestmark = pytest.mark.gpu
+
+
+def _run(pool: KVPool, off: int | None, stray: int | None) -> tuple[dict[str, torch.Tensor],
+                                                                    torch.Tensor]:
+    """Two steps of the watch's kernels over targets 10, 40 (written by "the kernels" each
+    step), with pages 12, 30 and 40 ahead; `off`: that page's expected sum is wrong, `stray`:
+    that page is written too."""
+    sums = pool.checksum()
+    if off is not None:
+        sums[off] += 1
+    s = {"sums": sums, "pre": torch.zeros_like(sums), "stamp": torch.full_like(sums, -1),
+         "flag": torch.zeros(1, dtype=torch.int32, device="cuda")}
+    idx, ahead = (torch.tensor(x, device="cuda") for x in ([10, 40], [12, 30, 40]))
+    for step in (1, 2):  # the second launch goes through tlaunch's direct path
+        pool.pre_check(idx, s["sums"], s["pre"], s["stamp"], s["flag"], step)
+        pool.data[[10, 40], 0, 0] += 1
+        if stray is not None:
+            pool.data[stray, 1, 3] += 1
+        moved = pool.post_check(idx, ahead, s["sums"], s["pre"], s["stamp"], s["flag"], step)
+    return s, moved
+
+
+@pytest.mark.parametrize(("off", "stray", "flagged"), [
+    (None, None, False),  # targets written, ahead page 40 is a target: nothing to flag
+    (10, None, True),  # a target's expected sum is wrong: pre_check
+    (30, None, True),  # an ahead page's expected sum is wrong: post_check
+    (None, 12, True),  # an ahead page written by the step: post_check
+    (None, 77, False),  # a page neither aimed at nor ahead: left to the whole-pool check
+])
+def test_pre_and_post_check_kernels_are_the_torch_path(monkeypatch: pytest.MonkeyPatch,
+                                                       off: int | None, stray: int | None,
+                                                       flagged: bool) -> None:
+    got = []
+    for fused in (True, False):
+        monkeypatch.setattr(oracle, "FUSED", fused)
+        pool = KVPool(200, 4, 16, 2, 64, torch.bfloat16, "cuda")
+        g = torch.Generator(device="cuda").manual_seed(3)
+        pool.data.copy_(torch.randn(pool.data.shape, device="cuda", generator=g))
+        got.append(_run(pool, off, stray))
+    (a, ma), (b, mb) = got
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert torch.equal(ma, mb) and ma.dtype == torch.bool and ma.tolist() == [True, True]
+    assert bool(a["flag"].item()) == flagged
+
+
+def _flashinfer(trace: TraceData) -> Any:
+    from gpu_backend.replay import FlashInferKernels
+
+    return FlashInferKernels(trace.model.num_q_heads, "cuda")
+
+
+def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:
+    return [(r.step, r.row, r.request, r.verdict, r.message) for r in res.rows]
+
+
+def test_flashinfer_incremental_gives_the_full_watch_verdicts(tmp_path: Path) -> None:
+    trace = load_trace(SCENARIOS["clean_mtp"](tmp_path / "t"))
+    full = replay(trace, _flashinfer(trace), "cuda", watch="full")
+    inc = replay(trace, _flashinfer(trace), "cuda")
+    assert (full.watch, inc.watch) == ("full", "incremental")
+    assert _rows(inc) == _rows(full)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_flashinfer_stray_writes_are_found_and_replayed_in_full(tmp_path: Path,
+                                                                case: str) -> None:
+    trace, at = find_case(tmp_path, case)
+    full = replay(trace, Stray(_flashinfer(trace), *at), "cuda", watch="full")
+    inc = replay(trace, Stray(_flashinfer(trace), *at), "cuda")
+    assert inc.watch.startswith("full (incremental found a page changed outside")
+    assert _rows(inc) == _rows(full)
+    assert {r.verdict for r in full.rows if r.step == at[0]} == {"corrupt"}

@@ -1,0 +1,49 @@
+"""gpu_backend/watch.py: the incremental page watch ends in FullWatch's verdicts, whatever wrote
+where: nothing unseen (the same rows, no second replay), or a page changed that no append aimed
+at, caught by each of its three checks and replayed with the full watch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from replay_traces import SCENARIOS
+from watch_cases import CASES, Stray, find_case
+
+from gpu_backend.driver import ReplayResult, replay
+from gpu_backend.reference import ReferenceKernels
+from gpu_backend.tracedata import TraceData, load_trace
+
+
+def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:
+    return [(r.step, r.row, r.request, r.verdict, r.err, r.message) for r in res.rows]
+
+
+def _replay(trace: TraceData, watch: str, kernels: Any = None) -> ReplayResult:
+    m = trace.model
+    return replay(trace, kernels or ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu",
+                  watch=watch)
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_incremental_gives_the_full_watch_verdicts(tmp_path: Path, name: str) -> None:
+    trace = load_trace(SCENARIOS[name](tmp_path / name))
+    full, inc = _replay(trace, "full"), _replay(trace, "incremental")
+    assert (full.watch, inc.watch) == ("full", "incremental")  # appends wrote only where aimed
+    assert _rows(inc) == _rows(full)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_page_changed_where_no_append_aimed_is_found_and_replayed_in_full(
+        tmp_path: Path, case: str) -> None:
+    """Each case is seen by one check alone (`watch_cases.pick`): without it the expected sum
+    would take the stray bits in silently, and the step that wrote them would not be blamed."""
+    trace, at = find_case(tmp_path, case)
+    m = trace.model
+    full = _replay(trace, "full", Stray(ReferenceKernels(m.num_q_heads, m.num_blocks), *at))
+    inc = _replay(trace, "incremental",
+                  Stray(ReferenceKernels(m.num_q_heads, m.num_blocks), *at))
+    assert inc.watch.startswith("full (incremental found a page changed outside")
+    assert _rows(inc) == _rows(full)
+    assert {r.verdict for r in full.rows if r.step == at[0]} == {"corrupt"}

@@ -114,7 +114,10 @@ _PHASES = [
     ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "run", "  decode run()"),
     ("gpu_backend.driver", "reference", "reference"),
     ("gpu_backend.driver", "token_errors", "token_errors"),
-    ("gpu_backend.pool:KVPool", "sums_and_changes", "checksums"),
+    ("gpu_backend.pool:KVPool", "sums_and_changes", "checksums (full watch)"),
+    ("gpu_backend.pool:KVPool", "pre_check", "pre_check (incremental watch)"),
+    ("gpu_backend.pool:KVPool", "post_check", "post_check (incremental watch)"),
+    ("gpu_backend.pool:KVPool", "full_check", "full_check (incremental watch)"),
 ]
 
 

@@ -115,7 +115,7 @@ _PHASES = [
     ("gpu_backend.driver", "reference", "reference"),
     ("gpu_backend.driver", "token_errors", "token_errors"),
     ("gpu_backend.pool:KVPool", "sums_and_changes", "checksums (full watch)"),
-    ("gpu_backend.pool:KVPool", "pre_check", "pre_check (incremental watch)"),
+    ("gpu_backend.pool:KVPool", "resum_pre", "events: resum_pre (incremental watch)"),
     ("gpu_backend.pool:KVPool", "post_check", "post_check (incremental watch)"),
     ("gpu_backend.pool:KVPool", "full_check", "full_check (incremental watch)"),
 ]

@@ -205,7 +205,6 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,
     if b.step in skip:
         watch.on_fault()
         return Pending(p, None, None, skip[b.step])
-    watch.before_kernels(p)
     try:
         out = kernels.run_step(pool, b, p.rows, dv, kv[0], kv[1], q)
     except KernelFault as e:

@@ -175,23 +175,28 @@ class KVPool:
         after = self.checksum()
         return after, after != before
 
-    def pre_check(self, idx: torch.Tensor, sums: torch.Tensor, pre: torch.Tensor,
-                  stamp: torch.Tensor, flag: torch.Tensor, step: int) -> None:
-        """Pages idx (distinct) before a step's kernels: pre[idx] = their sums, stamp[idx] =
-        step, and flag = 1 if a sum differs from its expected value in `sums`
-        (`watch.IncrementalWatch`)."""
-        fused = _fused() if idx.is_cuda else None
+    def resum_pre(self, touched: torch.Tensor | None, idx: torch.Tensor | None, check: int,
+                  sums: torch.Tensor, pre: torch.Tensor, stamp: torch.Tensor,
+                  flag: torch.Tensor, step: int) -> None:
+        """After a step's events, before its kernels (`watch.IncrementalWatch`): sums[touched] =
+        the touched pages' sums (`resum`); pre[idx] = the target pages' sums, stamp[idx] = step,
+        and flag = 1 if one of the first `check` targets (none touched) differs from its
+        expected sum."""
+        fused = _fused() if flag.is_cuda else None
         if fused is not None:
-            fused.pre_check(self.words, idx, sums, pre, stamp, flag, step)
+            fused.resum_pre(self.words, touched, idx, check, sums, pre, stamp, flag, step)
             return
-        s = self.checksum(idx)
-        pre[idx], stamp[idx] = s, step
-        flag |= (s != sums[idx]).any().to(flag.dtype)
+        if touched is not None:
+            sums[touched] = self.checksum(touched)
+        if idx is not None:
+            s = self.checksum(idx)
+            pre[idx], stamp[idx] = s, step
+            flag |= (s[:check] != sums[idx[:check]]).any().to(flag.dtype)
 
     def post_check(self, idx: torch.Tensor | None, ahead: torch.Tensor | None,
                    sums: torch.Tensor, pre: torch.Tensor, stamp: torch.Tensor,
                    flag: torch.Tensor, step: int) -> torch.Tensor:
-        """After a step's kernels: for pages idx (pre_check's), moved = sum != pre[idx] (the
+        """After a step's kernels: for pages idx (resum_pre's), moved = sum != pre[idx] (the
         result, bool) and sums[idx] = the sum; pages `ahead` not stamped with this step: flag = 1
         if a sum differs from its expected value."""
         fused = _fused() if flag.is_cuda else None

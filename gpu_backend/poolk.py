@@ -52,13 +52,24 @@ def _page_sum(WORDS, page, W: tl.constexpr, BLOCK: tl.constexpr):
     return tl.sum(acc, 0)
 
 
-@triton.jit(do_not_specialize=["step"])
-def _pre_kernel(WORDS, IDX, SUMS, PRE, STAMP, FLAG, step, W: tl.constexpr, BLOCK: tl.constexpr):
-    page = tl.load(IDX + tl.program_id(0))
-    s = _page_sum(WORDS, page, W, BLOCK)
-    tl.store(PRE + page, s)
-    tl.store(STAMP + page, step)
-    tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
+@triton.jit(do_not_specialize=["step", "nt", "check"])
+def _resum_pre_kernel(WORDS, TOUCHED, nt, IDX, check, SUMS, PRE, STAMP, FLAG, step,
+                      W: tl.constexpr, BLOCK: tl.constexpr):
+    """Programs [0, nt): the pages the step's events touched, re-summed; the rest: its target
+    pages, summed before its kernels, the first `check` of them (none touched, so no program
+    of this launch writes their expected sums) checked against their expected sums."""
+    i = tl.program_id(0)
+    if i < nt:
+        page = tl.load(TOUCHED + i)
+        tl.store(SUMS + page, _page_sum(WORDS, page, W, BLOCK))
+    else:
+        j = i - nt
+        page = tl.load(IDX + j)
+        s = _page_sum(WORDS, page, W, BLOCK)
+        tl.store(PRE + page, s)
+        tl.store(STAMP + page, step)
+        if j < check:
+            tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
 
 
 @triton.jit(do_not_specialize=["step", "n"])
@@ -80,7 +91,7 @@ def _post_kernel(WORDS, IDX, n, AHEAD, SUMS, PRE, STAMP, MOVED, FLAG, step, W: t
             tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
 
 
-_pre = Launcher(_pre_kernel, num_warps=8)
+_resum_pre = Launcher(_resum_pre_kernel, num_warps=8)
 _post = Launcher(_post_kernel, num_warps=8)
 
 
@@ -88,11 +99,17 @@ def _block(W: int) -> int:
     return min(triton.next_power_of_2(W), 2048)
 
 
-def pre_check(words: torch.Tensor, idx: torch.Tensor, sums: torch.Tensor, pre: torch.Tensor,
-              stamp: torch.Tensor, flag: torch.Tensor, step: int) -> None:
-    """`KVPool.pre_check` in one launch."""
-    W = int(words.shape[1])
-    _pre((int(idx.numel()),), words, idx, sums, pre, stamp, flag, step, W=W, BLOCK=_block(W))
+def resum_pre(words: torch.Tensor, touched: torch.Tensor | None, idx: torch.Tensor | None,
+              check: int, sums: torch.Tensor, pre: torch.Tensor, stamp: torch.Tensor,
+              flag: torch.Tensor, step: int) -> None:
+    """`KVPool.resum_pre` in one launch."""
+    nt = 0 if touched is None else int(touched.numel())
+    n = 0 if idx is None else int(idx.numel())
+    if nt + n:
+        W = int(words.shape[1])
+        _resum_pre((nt + n,), words, sums if touched is None else touched, nt,
+                   sums if idx is None else idx, check, sums, pre, stamp, flag, step, W=W,
+                   BLOCK=_block(W))
 
 
 def post_check(words: torch.Tensor, idx: torch.Tensor | None, ahead: torch.Tensor | None,

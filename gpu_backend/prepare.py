@@ -61,7 +61,11 @@ class Prepared:
     truth_same: bool  # truth K/V/Q of the queries == the engine's (one content pass)
     q_identity: bool  # the queries are the appends (no device-ahead extras)
     groups: list[RefGroup]
-    wpages: np.ndarray  # pool indices the engine's appends target, distinct (`watch`)
+    # pool indices the engine's appends target, distinct: the first `wcheck` are not among the
+    # pages this step's events touch (`watch.IncrementalWatch` checks those against their
+    # expected sums; the others were just re-summed)
+    wpages: np.ndarray
+    wcheck: int
 
 
 @dataclass
@@ -136,8 +140,7 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
     arrays |= _step_arrays(b, slots) | run_arrays(b)
     if touched:
         arrays["touched"] = np.unique(touched)
-    ew = b.engine_write
-    wpages = np.unique(ew[(ew >= 0) & (ew < st.trace.model.num_blocks + 2 * st.guard)])
+    wpages, wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, touched)
     if len(wpages):
         arrays["wpages"] = wpages
     eng_nan, same = _content_arrays(st, b, arrays)
@@ -151,7 +154,16 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
         if st.last.get(req) == b.step and req in st.slot:
             st.free.append(st.slot.pop(req))
     return Prepared(s, rows, b, stage(chunk, arrays), ops, bool(touched), fill, eng_nan, same,
-                    b.num_tokens == len(b.app_tokens), groups, wpages)
+                    b.num_tokens == len(b.app_tokens), groups, wpages, wcheck)
+
+
+def _targets(b: StepBatch, pages: int, touched: list[int]) -> tuple[np.ndarray, int]:
+    """(the pages the step's appends target inside the pool, those its events did not touch
+    first; how many of the latter)."""
+    ew = b.engine_write
+    w = np.unique(ew[(ew >= 0) & (ew < pages)])
+    hit = np.isin(w, touched)
+    return np.concatenate([w[~hit], w[hit]]), int((~hit).sum())
 
 
 def _pool_ops(st: HostState, ops: list[PoolOp], touched: list[int],

@@ -30,8 +30,8 @@ from triton.language.extra import libdevice
 
 from gpu_backend.poolk import (  # noqa: F401  (pool reaches the kernels through here)
     post_check,
-    pre_check,
     resum,
+    resum_pre,
 )
 from gpu_backend.tlaunch import Launcher
 

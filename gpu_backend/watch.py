@@ -6,9 +6,9 @@ on the GPU a third full read of the KV bytes per step beside FlashInfer's and th
 
 `IncrementalWatch` reads, per step, only the pages the step's appends target (`wpages`: the
 engine's table, known ahead) and keeps an *expected* sum for every page:
-  - after the block events, the pages they touched are re-summed (both watches do this);
-  - before the kernels, the target pages are summed (`pre`); a sum that differs from its
-    expected value means something changed that page unseen since the last look: stale;
+  - after the block events, the pages they touched are re-summed (both watches do this), and
+    the target pages are summed (`pre`); a target's sum that differs from its expected value
+    (the events did not touch it) means something changed that page unseen: stale;
   - after the kernels, the targets are summed again: changed = after != pre, expected = after;
     and the pages the next step's events will touch are checked against their expected sums
     before those events overwrite them (their content would hide an earlier change);
@@ -48,9 +48,6 @@ class FullWatch:
         if p.touched:  # only the touched pages' sums moved since the last step's checksum
             self.pool.resum(self.sums, p.dv["touched"])
 
-    def before_kernels(self, p: Prepared) -> None:
-        pass
-
     def after_kernels(self, p: Prepared, nxt: Prepared | None, last: bool) -> torch.Tensor:
         """The step's moved pages, on the device: [pages] bool."""
         self.sums, changed = self.pool.sums_and_changes(self.sums)
@@ -79,13 +76,11 @@ class IncrementalWatch:
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.sums.device)  # stale if != 0
 
     def after_events(self, p: Prepared) -> None:
-        if p.touched:  # checked before the events ran: after_kernels of the step before
-            self.pool.resum(self.sums, p.dv["touched"])
-
-    def before_kernels(self, p: Prepared) -> None:
-        if len(p.wpages):
-            self.pool.pre_check(p.dv["wpages"], self.sums, self.pre, self.stamp, self.flag,
-                                p.b.step)
+        """The touched pages re-summed (checked before the events ran: after_kernels of the
+        step before), the targets summed and checked: one launch on the GPU."""
+        self.pool.resum_pre(p.dv["touched"] if p.touched else None,
+                            p.dv["wpages"] if len(p.wpages) else None, p.wcheck, self.sums,
+                            self.pre, self.stamp, self.flag, p.b.step)
 
     def after_kernels(self, p: Prepared, nxt: Prepared | None, last: bool) -> torch.Tensor:
         """The targets' moved flags, on the device: [len(p.wpages)] bool."""

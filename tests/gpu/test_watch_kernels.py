@@ -1,4 +1,4 @@
-"""The incremental page watch on the GPU: its Triton kernels (gpu_backend/poolk.py pre_check,
+"""The incremental page watch on the GPU: its Triton kernels (gpu_backend/poolk.py resum_pre,
 post_check) against the torch path, and FlashInfer replays with stray writes, as in
 tests/unit/test_watch.py."""
 
@@ -22,18 +22,21 @@ pytestmark = pytest.mark.gpu
 
 def _run(pool: KVPool, off: int | None, stray: int | None) -> tuple[dict[str, torch.Tensor],
                                                                     torch.Tensor]:
-    """Two steps of the watch's kernels over targets 10, 40 (written by "the kernels" each
-    step), with pages 12, 30 and 40 ahead; `off`: that page's expected sum is wrong, `stray`:
-    that page is written too."""
+    """Two steps of the watch's kernels: events write pages 50 and 60 (touched), the targets are
+    10, 40 (checked) and 50 (touched: re-summed, not checked), written by "the kernels"; pages
+    12, 30 and 40 are ahead. `off`: that page's expected sum is wrong; `stray`: that page is
+    written by the kernels too."""
     sums = pool.checksum()
     if off is not None:
         sums[off] += 1
     s = {"sums": sums, "pre": torch.zeros_like(sums), "stamp": torch.full_like(sums, -1),
          "flag": torch.zeros(1, dtype=torch.int32, device="cuda")}
-    idx, ahead = (torch.tensor(x, device="cuda") for x in ([10, 40], [12, 30, 40]))
+    touched, idx, ahead = (torch.tensor(x, device="cuda")
+                           for x in ([50, 60], [10, 40, 50], [12, 30, 40]))
     for step in (1, 2):  # the second launch goes through tlaunch's direct path
-        pool.pre_check(idx, s["sums"], s["pre"], s["stamp"], s["flag"], step)
-        pool.data[[10, 40], 0, 0] += 1
+        pool.data[[50, 60], 1, 0] += 1
+        pool.resum_pre(touched, idx, 2, s["sums"], s["pre"], s["stamp"], s["flag"], step)
+        pool.data[[10, 40, 50], 0, 0] += 1
         if stray is not None:
             pool.data[stray, 1, 3] += 1
         moved = pool.post_check(idx, ahead, s["sums"], s["pre"], s["stamp"], s["flag"], step)
@@ -42,14 +45,15 @@ def _run(pool: KVPool, off: int | None, stray: int | None) -> tuple[dict[str, to
 
 @pytest.mark.parametrize(("off", "stray", "flagged"), [
     (None, None, False),  # targets written, ahead page 40 is a target: nothing to flag
-    (10, None, True),  # a target's expected sum is wrong: pre_check
+    (10, None, True),  # a checked target's expected sum is wrong: resum_pre
+    (50, None, False),  # a touched target's: re-summed by the same launch, not checked
     (30, None, True),  # an ahead page's expected sum is wrong: post_check
     (None, 12, True),  # an ahead page written by the step: post_check
     (None, 77, False),  # a page neither aimed at nor ahead: left to the whole-pool check
 ])
-def test_pre_and_post_check_kernels_are_the_torch_path(monkeypatch: pytest.MonkeyPatch,
-                                                       off: int | None, stray: int | None,
-                                                       flagged: bool) -> None:
+def test_resum_pre_and_post_check_kernels_are_the_torch_path(
+        monkeypatch: pytest.MonkeyPatch, off: int | None, stray: int | None,
+        flagged: bool) -> None:
     got = []
     for fused in (True, False):
         monkeypatch.setattr(oracle, "FUSED", fused)
@@ -60,7 +64,7 @@ def test_pre_and_post_check_kernels_are_the_torch_path(monkeypatch: pytest.Monke
     (a, ma), (b, mb) = got
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    assert torch.equal(ma, mb) and ma.dtype == torch.bool and ma.tolist() == [True, True]
+    assert torch.equal(ma, mb) and ma.dtype == torch.bool and ma.tolist() == [True] * 3
     assert bool(a["flag"].item()) == flagged
 
 

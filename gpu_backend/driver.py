@@ -16,7 +16,8 @@ Per step k:
 
 Everything that depends on the trace alone is built ahead on the host (`prepare`) and uploaded a
 chunk of steps at a time, so a step only queues device work: no numpy, no host-device syncs. The
-device's per-token errors and moved pages are read back every FLUSH steps and turned into
+device's per-token errors and moved pages are read back every FLUSH steps (or FLUSH_TOKENS
+query tokens, whichever comes first) and turned into
 verdicts on the host (`oracle.verdicts`).
 """
 
@@ -48,6 +49,10 @@ from sim.trace.records import RowRecord
 
 GUARD_PAGES = 16
 FLUSH = 256  # steps between read-backs of the verdict data (one host-device sync each)
+# ... or query tokens: a long prompt step's verdicts (numpy over each token) are then computed
+# right after it, not inside the next 255 steps (bench/gpu_replay.py times those: at batch 64 x
+# kv 8,192 the prompt step's 524k tokens cost ~20 ms of host inside the 12 steps it timed)
+FLUSH_TOKENS = 1 << 16
 
 
 class KernelFault(Exception):
@@ -157,6 +162,7 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
                       free=list(range(slots))[::-1])
     res = ReplayResult(kernels.name, str(trace.path), tol)
     pending: list[Pending] = []
+    tokens = 0
     watch = make_watch(pool)
     res.watch = watch.name
     steps = prepared_steps(trace, state, device)
@@ -168,8 +174,10 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
         _apply_events(pool, p)
         watch.after_events(p)
         pending.append(_one_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
-        if len(pending) >= FLUSH or nxt is None:
+        tokens += p.b.num_tokens
+        if len(pending) >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None:
             _flush(res, pending, watch)
+            tokens = 0
         if on_step:
             on_step(p.step.step, "done")
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds

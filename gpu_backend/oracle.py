@@ -4,7 +4,7 @@ and the per-row verdicts (DESIGN §6).
 Verdicts, most severe first: fault > corrupt > nan > mismatch > ok. The device keeps, per step,
 only what the verdicts need (per-token max error and NaN flags, the pages whose checksum moved);
 `verdicts` turns them into codes on the host when the replay reads them back (every
-`driver.FLUSH` steps), so no step waits for the device.
+`driver.FLUSH` steps or `FLUSH_TOKENS` tokens), so no step waits for the device.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ import pytest
 from replay_traces import SCENARIOS
 from watch_cases import CASES, Stray, find_case
 
+from gpu_backend import driver
 from gpu_backend.driver import ReplayResult, replay
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.tracedata import TraceData, load_trace
@@ -47,3 +48,24 @@ def test_a_page_changed_where_no_append_aimed_is_found_and_replayed_in_full(
     assert inc.watch.startswith("full (incremental found a page changed outside")
     assert _rows(inc) == _rows(full)
     assert {r.verdict for r in full.rows if r.step == at[0]} == {"corrupt"}
+
+
+@pytest.mark.parametrize("case", [None, *CASES])
+def test_read_backs_after_every_step_change_nothing(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   case: str | None) -> None:
+    """The driver reads verdict data back every FLUSH steps or FLUSH_TOKENS query tokens (a
+    long prompt step alone): wherever the read-backs fall, the same rows, and a stray write
+    still sends the replay to the full watch."""
+    trace, at = (load_trace(SCENARIOS["append_past_alloc"](tmp_path / "t")), None) \
+        if case is None else find_case(tmp_path, case)
+    m = trace.model
+
+    def kernels() -> Any:
+        k = ReferenceKernels(m.num_q_heads, m.num_blocks)
+        return k if at is None else Stray(k, *at)
+
+    want = _replay(trace, "incremental", kernels())
+    monkeypatch.setattr(driver, "FLUSH_TOKENS", 1)
+    got = _replay(trace, "incremental", kernels())
+    assert _rows(got) == _rows(want) and got.watch == want.watch

@@ -6,8 +6,15 @@ import sys
 
 import numpy as np
 
-# sys.getrefcount of a buffer referenced by nothing but the pool's list (+1: its own argument)
-_UNREFERENCED = 2
+
+def _unreferenced() -> int:
+    """sys.getrefcount of an array that one list slot alone references, asked as `swap` asks
+    it (2 on CPython 3.11-3.13: the slot and the argument; interpreters may count differently)."""
+    pool = [np.empty(0)]
+    return sys.getrefcount(pool[0])
+
+
+_UNREFERENCED = _unreferenced()
 POISON = False  # Recycler's default (tests set it)
 
 

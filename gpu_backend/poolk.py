@@ -1,4 +1,5 @@
-"""The pool's page checksums as a Triton kernel (GPU only; `pool.KVPool` elsewhere).
+"""The pool's page checksums as Triton kernels (GPU only; `pool.KVPool` elsewhere): the pages
+touched between steps, and the incremental watch's checks (`watch.IncrementalWatch`).
 
 Why: between steps the replay re-sums the pages the last step's rewind and this step's block
 events touched: index_select + sum + index_copy_ in torch, 30 µs of host on the H200's host,
@@ -21,28 +22,6 @@ from gpu_backend.tlaunch import Launcher
 
 
 @triton.jit
-def _page_sums_kernel(WORDS, IDX, OUT, W: tl.constexpr, BLOCK: tl.constexpr):
-    page = tl.load(IDX + tl.program_id(0))
-    base = WORDS + page * W
-    acc = tl.zeros([BLOCK], tl.int64)
-    for w0 in range(0, W, BLOCK):
-        j = w0 + tl.arange(0, BLOCK)
-        acc += tl.load(base + j, mask=j < W, other=0)
-    tl.store(OUT + page, tl.sum(acc, 0))
-
-
-_sums = Launcher(_page_sums_kernel, num_warps=8)
-
-
-def resum(words: torch.Tensor, sums: torch.Tensor, idx: torch.Tensor) -> None:
-    """sums[idx] = the sums of pages idx (words: the pool as int64 [pages, W])."""
-    W = int(words.shape[1])
-    if idx.numel():
-        _sums((int(idx.numel()),), words, idx, sums, W=W, BLOCK=min(triton.next_power_of_2(W),
-                                                                    2048))
-
-
-@triton.jit
 def _page_sum(WORDS, page, W: tl.constexpr, BLOCK: tl.constexpr):
     base = WORDS + page * W
     acc = tl.zeros([BLOCK], tl.int64)
@@ -50,6 +29,26 @@ def _page_sum(WORDS, page, W: tl.constexpr, BLOCK: tl.constexpr):
         j = w0 + tl.arange(0, BLOCK)
         acc += tl.load(base + j, mask=j < W, other=0)
     return tl.sum(acc, 0)
+
+
+@triton.jit
+def _page_sums_kernel(WORDS, IDX, OUT, W: tl.constexpr, BLOCK: tl.constexpr):
+    page = tl.load(IDX + tl.program_id(0))
+    tl.store(OUT + page, _page_sum(WORDS, page, W, BLOCK))
+
+
+_sums = Launcher(_page_sums_kernel, num_warps=8)
+
+
+def _block(W: int) -> int:
+    return min(triton.next_power_of_2(W), 2048)
+
+
+def resum(words: torch.Tensor, sums: torch.Tensor, idx: torch.Tensor) -> None:
+    """sums[idx] = the sums of pages idx (words: the pool as int64 [pages, W])."""
+    W = int(words.shape[1])
+    if idx.numel():
+        _sums((int(idx.numel()),), words, idx, sums, W=W, BLOCK=_block(W))
 
 
 @triton.jit(do_not_specialize=["step", "nt", "check"])
@@ -77,7 +76,8 @@ def _post_kernel(WORDS, IDX, n, AHEAD, SUMS, PRE, STAMP, MOVED, FLAG, step, W: t
                  BLOCK: tl.constexpr):
     """Programs [0, n): the step's targets (moved, new expected sum); the rest: pages the next
     step's events touch, checked unless they were this step's targets (their sums are being
-    rewritten by the first programs: STAMP says which, written by _pre_kernel's launch)."""
+    rewritten by the first programs: STAMP says which, written by _resum_pre_kernel's
+    launch)."""
     i = tl.program_id(0)
     if i < n:
         page = tl.load(IDX + i)
@@ -93,10 +93,6 @@ def _post_kernel(WORDS, IDX, n, AHEAD, SUMS, PRE, STAMP, MOVED, FLAG, step, W: t
 
 _resum_pre = Launcher(_resum_pre_kernel, num_warps=8)
 _post = Launcher(_post_kernel, num_warps=8)
-
-
-def _block(W: int) -> int:
-    return min(triton.next_power_of_2(W), 2048)
 
 
 def resum_pre(words: torch.Tensor, touched: torch.Tensor | None, idx: torch.Tensor | None,

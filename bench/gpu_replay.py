@@ -31,6 +31,10 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   generation step by kernel (`device_us_per_step`), where a device-bound replay's time goes.
 - --sweep 64x2048,128x8192,...: the benchmark trace at each batch x kv_len, all of the above but
   the profile and phases (`sizes`): the ratio as the kernels get more work per step.
+- --eager: every step launched eagerly; by default the steady steps run as CUDA graphs
+  (`gpu_backend/graphs.py`; the kernels' own time is always measured eagerly, per launch).
+- --steps N: the sweep trace's generation steps (default 12; a graph is captured in the first
+  generation step of each wall pass, so its cost is inside the wall, spread over N steps).
 - --before B.json: the same command's result for the code before a change, run in the same
   call on the same machine (host speed differs a lot between lent machines), kept under
   "before"; --note: a line of context kept under "note".
@@ -56,6 +60,11 @@ from gpu_backend.replay import FlashInferKernels
 from gpu_backend.tracedata import TraceData, load_trace
 
 WATCH = ["incremental"]  # every pass's page watch (--watch)
+GRAPHS = [True]  # steady steps as CUDA graphs (--eager: False)
+
+
+def _kernels(trace: TraceData, timing: bool = False) -> FlashInferKernels:
+    return FlashInferKernels(trace.model.num_q_heads, "cuda", timing=timing, graphs=GRAPHS[0])
 
 
 def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, ReplayResult]:
@@ -63,7 +72,7 @@ def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, Re
     those steps, result) of one untimed replay. The wait is the time the host sat in
     FlashInfer-plan fences (the only waits in a step): wall - wait is the host's own time."""
     marks: dict[str, float] = {}
-    k = FlashInferKernels(trace.model.num_q_heads, "cuda")
+    k = _kernels(trace)
 
     def on_step(step: int, what: str) -> None:
         if (step, what) in ((first, "start"), (last, "done")):
@@ -79,7 +88,7 @@ def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, Re
 
 def kernel_pass(trace: TraceData) -> list[float]:
     """Per generation step, the device ms of its append + attention launches."""
-    k = FlashInferKernels(trace.model.num_q_heads, "cuda", timing=True)
+    k = _kernels(trace, timing=True)
     replay(trace, k, "cuda", watch=WATCH[0])
     return k.kernel_ms()[1:]
 
@@ -94,7 +103,7 @@ def profile_pass(trace: TraceData, first: int, last: int) -> None:
         elif (step, what) == (last, "done"):
             prof.disable()
 
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step,
+    replay(trace, _kernels(trace), "cuda", on_step=on_step,
            watch=WATCH[0])
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(45)
@@ -112,6 +121,8 @@ _PHASES = [
     ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "plan", "    decode plan()"),
     ("flashinfer:BatchPrefillWithPagedKVCacheWrapper", "run", "  prefill run()"),
     ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "run", "  decode run()"),
+    ("gpu_backend.graphs:StepGraphs", "run", "graph step (copies, plan, replay, clone)"),
+    ("gpu_backend.graphs:StepGraphs", "_plan", "  graph plan (fence + C++ planner)"),
     ("gpu_backend.driver", "reference", "reference"),
     ("gpu_backend.driver", "token_errors", "token_errors"),
     ("gpu_backend.pool:KVPool", "sums_and_changes", "checksums (full watch)"),
@@ -172,7 +183,7 @@ def phases_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
             tot["wall incl. final sync"] = time.perf_counter_ns() - marks["t0"]
 
     try:
-        replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda",
+        replay(trace, _kernels(trace), "cuda",
                on_step=on_step, watch=WATCH[0])
     finally:
         for obj, attr, fn in saved:
@@ -200,7 +211,7 @@ def device_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
             else:
                 prof.stop()
 
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda", on_step=on_step,
+    replay(trace, _kernels(trace), "cuda", on_step=on_step,
            watch=WATCH[0])
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     tot: dict[str, float] = {}
@@ -221,7 +232,7 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     """Every pass over one trace (module docstring); the figures of one result."""
     trace = load_trace(path)
     first, last = trace.steps[1].step, trace.steps[-1].step
-    replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda",
+    replay(trace, _kernels(trace), "cuda",
            watch=WATCH[0])  # JIT, warm-up
     wall, wait, res = wall_pass(trace, first, last)
     wall2, wait2, res2 = wall_pass(trace, first, last)
@@ -243,6 +254,7 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
            "prepare_gen_ms_per_step": prep_gen,
            "ratio_gen_incl_prepare": (wall + prep_gen) / kern, "counts": res.counts(),
            "max_ok_err": max_ok_error(res), "rows_checked": len(rows), "watch_used": res.watch,
+           "graphs": {k: v for k, v in res.stats.items() if "graph" in k or "eager" in k},
            "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,
                       "ratio": wall2 / kern,
                       "same_verdicts": [r.verdict for r in res.rows] ==
@@ -255,7 +267,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     return out
 
 
-def sweep(sizes: str, work: Path, device: bool = False) -> list[dict[str, Any]]:
+def sweep(sizes: str, work: Path, device: bool = False, steps: int = 12
+          ) -> list[dict[str, Any]]:
     """The benchmark trace at each BATCHxKV of `sizes` (e.g. 64x2048,128x8192), one at a time:
     how the wall/kernel ratio moves as the kernels get more work per step."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "unit"))
@@ -264,7 +277,7 @@ def sweep(sizes: str, work: Path, device: bool = False) -> list[dict[str, Any]]:
     out = []
     for size in sizes.split(","):
         batch, kv = (int(x) for x in size.lower().split("x"))
-        path = big_verify(work / f"big_{batch}x{kv}", batch=batch, kv=kv)
+        path = big_verify(work / f"big_{batch}x{kv}", batch=batch, kv=kv, steps=steps)
         r = measure(path, device=device)
         print(f"batch {batch:4d} kv {kv:6d}: wall {r['wall_ms_per_step']:.3f} ms/step, kernels "
               f"{r['kernel_ms_per_step']:.3f}, ratio {r['ratio']:.2f}x "
@@ -286,6 +299,10 @@ def main() -> None:
                     help="one more pass: host µs per generation step by phase")
     ap.add_argument("--watch", choices=("incremental", "full"), default="incremental",
                     help="the replay's page watch (gpu_backend/watch.py)")
+    ap.add_argument("--eager", action="store_true",
+                    help="every step launched eagerly, no CUDA graphs (gpu_backend/graphs.py)")
+    ap.add_argument("--steps", type=int, default=12,
+                    help="--sweep: generation steps of the benchmark trace (default 12)")
     ap.add_argument("--device-time", action="store_true",
                     help="one more pass: device µs per generation step by kernel (torch profiler)")
     ap.add_argument("--sweep", metavar="BxKV,...",
@@ -304,10 +321,11 @@ def main() -> None:
     commit = a.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
                                         capture_output=True, text=True).stdout.strip()
     WATCH[0] = a.watch
+    GRAPHS[0] = not a.eager
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
-    out["commit"], out["watch"] = commit, a.watch
+    out["commit"], out["watch"], out["graphs"] = commit, a.watch, not a.eager
     if a.sweep:
-        out["sizes"] = sweep(a.sweep, a.work, a.device_time)
+        out["sizes"] = sweep(a.sweep, a.work, a.device_time, a.steps)
     else:
         out |= measure(a.trace, a.phases, a.profile, a.device_time)
     if a.before:

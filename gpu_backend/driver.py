@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tests, tools)
+from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
 from gpu_backend.oracle import (
     DEFAULT_TOL,
@@ -158,8 +159,10 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt, device)
     slots, span, last = truth_shape(trace)
     truth = TruthStore(slots, span, m.num_kv_heads, m.head_dim, dt, device)
+    make = getattr(kernels, "step_graphs", None)
+    graphs = make(pool, truth, m.num_q_heads) if callable(make) else None
     state = HostState(trace, GUARD_PAGES, m.max_position, last=last,
-                      free=list(range(slots))[::-1])
+                      free=list(range(slots))[::-1], graphs=graphs is not None)
     res = ReplayResult(kernels.name, str(trace.path), tol)
     pending: list[Pending] = []
     tokens = 0
@@ -173,7 +176,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
             on_step(p.step.step, "start")
         _apply_events(pool, p)
         watch.after_events(p)
-        pending.append(_one_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
+        pending.append(_graph_step(graphs, p, nxt, watch, skip)
+                       or _one_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
         tokens += p.b.num_tokens
         if len(pending) >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None:
             _flush(res, pending, watch)
@@ -184,6 +188,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     stats = getattr(kernels, "stats", None)
     if callable(stats):
         res.stats = stats()
+    if graphs is not None:
+        res.stats |= graphs.stats()
     return res
 
 
@@ -204,6 +210,17 @@ def _apply_events(pool: KVPool, p: Prepared) -> None:
             pool.poison_rows(p.dv[f"ev{a}"])
         else:
             pool.copy_slots(a, b, n)
+
+
+def _graph_step(graphs: StepGraphs | None, p: Prepared, nxt: Prepared | None, watch: Watch,
+                skip: dict[int, str]) -> Pending | None:
+    """The step through its CUDA graph (`gpu_backend.graphs`), or None: run it eagerly."""
+    if graphs is None or p.graph is None or p.b.step in skip:
+        return None
+    tok = graphs.run(p)
+    if tok is None:
+        return None
+    return Pending(p, tok, watch.after_kernels(p, nxt, nxt is None))
 
 
 def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gpu_backend import graphs
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.layout import StepBatch, build_step, run_arrays
 from gpu_backend.pool import mod_m
@@ -66,6 +67,7 @@ class Prepared:
     # expected sums; the others were just re-summed)
     wpages: np.ndarray
     wcheck: int
+    graph: tuple[int, int, int] | None = None  # its CUDA graph's key (`graphs.block`), if any
 
 
 @dataclass
@@ -83,6 +85,7 @@ class HostState:
     step_seconds: dict[int, float] = field(default_factory=dict)  # step -> its `_prepare` time
     # the last prepared step's rewind (pool rows, pages): applied before the next step's events
     rewind: tuple[np.ndarray, np.ndarray] | None = None
+    graphs: bool = False  # lay out the steady steps' inputs for `graphs.StepGraphs`
 
 
 def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
@@ -145,6 +148,9 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
         arrays["wpages"] = wpages
     eng_nan, same = _content_arrays(st, b, arrays)
     groups = _ref_groups(b, slots, arrays)
+    q_identity = b.num_tokens == len(b.app_tokens)
+    graph = graphs.block(b, arrays, fill, eng_nan, same and q_identity, groups) \
+        if st.graphs else None
     st.rewind = None
     if b.reject_page.size:
         pz = st.trace.model.page_size
@@ -153,8 +159,11 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
     for req in b.requests.tolist():  # release: the slot is free for the next step's admissions
         if st.last.get(req) == b.step and req in st.slot:
             st.free.append(st.slot.pop(req))
-    return Prepared(s, rows, b, stage(chunk, arrays), ops, bool(touched), fill, eng_nan, same,
-                    b.num_tokens == len(b.app_tokens), groups, wpages, wcheck)
+    dv = stage(chunk, arrays)
+    if graph is not None:
+        graphs.span(dv)
+    return Prepared(s, rows, b, dv, ops, bool(touched), fill, eng_nan, same, q_identity, groups,
+                    wpages, wcheck, graph)
 
 
 def _targets(b: StepBatch, pages: int, touched: list[int]) -> tuple[np.ndarray, int]:

@@ -60,7 +60,7 @@ class FlashInferKernels:
     name = "flashinfer"
 
     def __init__(self, num_q_heads: int, device: torch.device | str, timing: bool = False,
-                 attn_timing: bool = False):
+                 attn_timing: bool = False, graphs: bool = True):
         import flashinfer
 
         self.fi, self.num_q_heads, self.dev = flashinfer, num_q_heads, torch.device(device)
@@ -82,6 +82,8 @@ class FlashInferKernels:
         self.plan_cache: list[tuple[Any, Any]] = []
         self.plan_cache_device = 0
         self.plan_cache_pinned: int | None = 0
+        # steady steps as CUDA graphs (`gpu_backend.graphs`); not with timing (events per launch)
+        self.graphs = graphs and not (timing or attn_timing)
 
     def _prefill(self, backend: str) -> Any:
         if backend not in self.prefill:
@@ -114,6 +116,14 @@ class FlashInferKernels:
                 raise  # a device fault poisons the context: only --isolate survives it
             raise KernelFault(f"{type(exc).__name__}: {exc}") from None
         return out
+
+    def step_graphs(self, pool: KVPool, truth: Any, hq: int) -> Any:
+        """The replay's `graphs.StepGraphs`, or None (eager: --eager, or timing each launch)."""
+        if not self.graphs:
+            return None
+        from gpu_backend.graphs import StepGraphs
+
+        return StepGraphs(self, pool, truth, hq)
 
     def _hold_plan_cache(self, n: int) -> None:
         """Hold n plan-cache entries (decode + prefill wrapper each, as TRT-LLM's

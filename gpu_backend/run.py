@@ -16,8 +16,10 @@ class NoDeviceError(KvsimError):
     """--backend flashinfer without a CUDA device or without flashinfer installed."""
 
 
-def make_kernels(backend: str, trace: TraceData, timing: bool = False) -> tuple[Any, str]:
-    """(kernels, device) for `backend`; raises NoDeviceError/KvsimError, plainly worded."""
+def make_kernels(backend: str, trace: TraceData, timing: bool = False,
+                 graphs: bool = True) -> tuple[Any, str]:
+    """(kernels, device) for `backend`; raises NoDeviceError/KvsimError, plainly worded.
+    graphs: FlashInfer's steady steps as CUDA graphs (`gpu_backend.graphs`)."""
     m = trace.model
     if backend == "reference":
         from gpu_backend.reference import ReferenceKernels
@@ -35,14 +37,14 @@ def make_kernels(backend: str, trace: TraceData, timing: bool = False) -> tuple[
     except ImportError as e:
         raise NoDeviceError(f"flashinfer is not importable ({e}); install flashinfer-python") \
             from None
-    return FlashInferKernels(m.num_q_heads, "cuda", timing=timing), "cuda"
+    return FlashInferKernels(m.num_q_heads, "cuda", timing=timing, graphs=graphs), "cuda"
 
 
 def run_replay(trace_dir: str | Path, backend: str, tol: float,
                skip: dict[int, str] | None = None, on_step: Any = None,
-               watch: str = "incremental") -> ReplayResult:
+               watch: str = "incremental", graphs: bool = True) -> ReplayResult:
     trace = load_trace(trace_dir)
-    kernels, device = make_kernels(backend, trace)
+    kernels, device = make_kernels(backend, trace, graphs=graphs)
     return replay(trace, kernels, device, tol, skip=skip, on_step=on_step, watch=watch)
 
 

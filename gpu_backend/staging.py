@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
-_ALIGN = 32  # words: every array starts 256 B (int64) / 128 B (int32) aligned, as an allocation
+ALIGN = 32  # words: every array starts 256 B (int64) / 128 B (int32) aligned, as an allocation
 # name suffix -> which copy of the chunk a view comes from
 _COPIES = {"": "d64", "@32": "d32", "@b": "db", "@host": "h32", "@f64": "f64"}
 Slot = tuple[tuple[int, ...], tuple[int, ...], int]  # an array's (shape, strides, offset)
@@ -36,7 +36,7 @@ class Chunk:
         a = np.ascontiguousarray(a)
         flat = a.view(np.int64).ravel() if a.dtype == np.float64 else \
             a.astype(np.int64, copy=False).ravel()
-        pad = -self.n % _ALIGN  # kernels may load index arrays with vector instructions
+        pad = -self.n % ALIGN  # kernels may load index arrays with vector instructions
         if pad:
             self.parts.append(np.zeros(pad, dtype=np.int64))
         self.parts.append(flat)

@@ -39,6 +39,10 @@ def register(app: typer.Typer) -> None:
                                   "the trace is replayed again with full) or full (the whole "
                                   "pool every step). The same verdicts; incremental reads a "
                                   "third fewer bytes per step. --isolate uses incremental"),
+        eager: bool = typer.Option(False, help="launch every step's kernels one by one; by "
+                                   "default a steady MTP step (one FA2 launch over rows of one "
+                                   "width) replays as a CUDA graph, with the same kernels and "
+                                   "verdicts and a third to half the host time (docs/gpu.md)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()
@@ -48,7 +52,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] --watch {watch!r}: choose incremental or full")
             raise typer.Exit(2)
         try:
-            res = _run(trace_dir, backend, isolate, tol, watch)
+            res = _run(trace_dir, backend, isolate, tol, watch, not eager)
         except KvsimError as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None
@@ -60,7 +64,8 @@ def register(app: typer.Typer) -> None:
         raise typer.Exit(0 if res.ok else 1)
 
 
-def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch: str) -> Any:
+def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch: str,
+         graphs: bool = True) -> Any:
     from gpu_backend.oracle import DEFAULT_TOL
 
     tol = DEFAULT_TOL if tol is None else tol
@@ -76,7 +81,7 @@ def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch:
         current["step"] = step
 
     try:
-        return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch)
+        return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch, graphs=graphs)
     except RuntimeError as e:  # a CUDA fault: the context is gone, say where and how to go on
         raise KvsimError(f"device fault during step {current['step']} ({str(e)[:200]}); "
                          "rerun with --isolate to attribute it and carry on") from None

@@ -208,8 +208,11 @@ def overlap_uncorrected(out: Path) -> Path:
 
 
 def big_verify(out: Path, batch: int = 64, kv: int = 2048, steps: int = 12) -> Path:
-    """Benchmark trace: Llama-3.1-8B attention shape, batch x kv_len prompts, MTP D=3."""
-    b = Builder(num_blocks=batch * (kv // 16 + 4), hq=32, hkv=8, d=128)
+    """Benchmark trace: Llama-3.1-8B attention shape, batch x kv_len prompts, MTP D=3. Each step
+    adds up to 4 tokens a row: past 12 steps the pool grows a page per row every 4 steps (the
+    builder hands out blocks past the pool otherwise)."""
+    per_row = kv // 16 + 4 + -(-max(steps - 12, 0) // 4)
+    b = Builder(num_blocks=batch * per_row, hq=32, hkv=8, d=128)
     for i in range(batch):
         b.request(i, prompt(i, kv - 1 + i % 7))
     b.step([b.ctx(i) for i in range(batch)])

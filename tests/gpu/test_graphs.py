@@ -1,0 +1,92 @@
+"""Steady steps as CUDA graphs (gpu_backend/graphs.py) give the eager replay's rows, and a page
+written inside a graph is found as one written by an eager step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from replay_traces import SCENARIOS, big_verify
+from watch_cases import Stray
+
+from gpu_backend.driver import ReplayResult, replay
+from gpu_backend.graphs import StepGraphs
+from gpu_backend.tracedata import TraceData, load_trace
+
+pytestmark = pytest.mark.gpu
+
+
+def _fi(trace: TraceData, graphs: bool) -> Any:
+    from gpu_backend.replay import FlashInferKernels
+
+    return FlashInferKernels(trace.model.num_q_heads, "cuda", graphs=graphs)
+
+
+def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:
+    return [(r.step, r.row, r.request, r.verdict, r.message) for r in res.rows]
+
+
+def _trace(tmp: Path, name: str) -> TraceData:
+    if name == "big_verify":
+        return load_trace(big_verify(tmp / name, batch=16, kv=512, steps=6))
+    return load_trace(SCENARIOS[name](tmp / name))
+
+
+@pytest.mark.parametrize(("name", "captures", "replays"), [
+    ("clean_mtp", 1, 5), ("overlap_uncorrected", 1, 0), ("big_verify", 1, 5),
+    ("append_past_alloc", 0, 0)])
+def test_graphs_give_the_eager_rows(tmp_path: Path, name: str, captures: int,
+                                    replays: int) -> None:
+    trace = _trace(tmp_path, name)
+    eager = replay(trace, _fi(trace, False), "cuda")
+    graph = replay(trace, _fi(trace, True), "cuda")
+    assert _rows(graph) == _rows(eager)
+    # FA2's split-kv merge in graph mode rounds differently: far inside the tolerance
+    diff = max(abs(a.err - b.err) for a, b in zip(graph.rows, eager.rows, strict=True)
+               if a.verdict == "ok")
+    assert diff < 2e-3
+    assert (graph.stats["graph_captures"], graph.stats["graph_replays"],
+            graph.stats["eager_fallbacks"]) == (captures, replays, 0)
+    assert "graph_replays" not in eager.stats
+
+
+def test_a_page_written_inside_a_graph_is_found(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard page written by the graph's own work (captured, so every replay writes it): the
+    whole-pool check finds it, the full watch pins it on the first step, as an eager step's."""
+    trace = _trace(tmp_path, "big_verify")
+    body = StepGraphs._body
+
+    def stray_body(self: StepGraphs, *a: Any) -> Any:
+        tok = body(self, *a)
+        self.pool.data[1, 0, 0] = 0.25  # neither NaN (poison) nor content's bits
+        return tok
+
+    monkeypatch.setattr(StepGraphs, "_body", stray_body)
+    got = replay(trace, _fi(trace, True), "cuda")
+    want = replay(trace, Stray(_fi(trace, False), 1, 1), "cuda", watch="full")
+    assert got.watch.startswith("full (incremental found a page changed outside")
+    assert _rows(got) == _rows(want)
+    assert {r.verdict for r in got.rows if r.step == 1} == {"corrupt"}
+    assert got.stats["graph_replays"] == 5
+
+
+def test_cli_eager_turns_the_graphs_off(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    trace = SCENARIOS["clean_mtp"](tmp_path / "t")
+    out = {}
+    for flag in ("", "--eager"):
+        js = tmp_path / f"r{flag}.json"
+        p = subprocess.run([sys.executable, "-c", "from sim.cli import main; main()", "replay",
+                            str(trace), "--json", str(js), *([flag] if flag else [])],
+                           capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parents[2])
+        assert p.returncode == 0, p.stdout + p.stderr
+        out[flag] = json.loads(js.read_text())
+    assert out[""]["stats"]["graph_replays"] == 5
+    assert "graph_replays" not in out["--eager"]["stats"]
+    assert [r["verdict"] for r in out[""]["rows"]] == [r["verdict"] for r in out["--eager"]["rows"]]

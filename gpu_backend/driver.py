@@ -159,14 +159,14 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt, device)
     slots, span, last = truth_shape(trace)
     truth = TruthStore(slots, span, m.num_kv_heads, m.head_dim, dt, device)
+    watch = make_watch(pool)
     make = getattr(kernels, "step_graphs", None)
-    graphs = make(pool, truth, m.num_q_heads) if callable(make) else None
+    graphs = make(pool, truth, m.num_q_heads, watch) if callable(make) and not skip else None
     state = HostState(trace, GUARD_PAGES, m.max_position, last=last,
                       free=list(range(slots))[::-1], graphs=graphs is not None)
     res = ReplayResult(kernels.name, str(trace.path), tol)
     pending: list[Pending] = []
     tokens = 0
-    watch = make_watch(pool)
     res.watch = watch.name
     steps = prepared_steps(trace, state, device)
     nxt = next(steps, None)
@@ -174,10 +174,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
         p, nxt = nxt, next(steps, None)  # the next step's touched pages are checked ahead
         if on_step:
             on_step(p.step.step, "start")
-        _apply_events(pool, p)
-        watch.after_events(p)
-        pending.append(_graph_step(graphs, p, nxt, watch, skip)
-                       or _one_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
+        pending.append(_graph_step(graphs, pool, p, nxt, watch)
+                       or _eager_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
         tokens += p.b.num_tokens
         if len(pending) >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None:
             _flush(res, pending, watch)
@@ -212,15 +210,36 @@ def _apply_events(pool: KVPool, p: Prepared) -> None:
             pool.copy_slots(a, b, n)
 
 
-def _graph_step(graphs: StepGraphs | None, p: Prepared, nxt: Prepared | None, watch: Watch,
-                skip: dict[int, str]) -> Pending | None:
-    """The step through its CUDA graph (`gpu_backend.graphs`), or None: run it eagerly."""
-    if graphs is None or p.graph is None or p.b.step in skip:
+def _graph_step(graphs: StepGraphs | None, pool: KVPool, p: Prepared, nxt: Prepared | None,
+                watch: Watch) -> Pending | None:
+    """The step through its CUDA graph (`gpu_backend.graphs`), or None: run it eagerly. With
+    the incremental watch the graph applies the block events and the checks; otherwise they
+    run here around it."""
+    if graphs is None or p.graph is None:
         return None
-    tok = graphs.run(p)
-    if tok is None:
-        return None
-    return Pending(p, tok, watch.after_kernels(p, nxt, nxt is None))
+    if graphs.checks:
+        got = graphs.run(p)
+        if got is None:
+            return None
+        tok, moved = got
+        assert isinstance(watch, IncrementalWatch) and moved is not None
+        watch.after_graph(p, nxt is None)
+        return Pending(p, tok, moved)
+    _apply_events(pool, p)
+    watch.after_events(p)
+    got = graphs.run(p)
+    if got is None:
+        return _one_step(pool, graphs.truth, graphs.k, p, nxt, watch, {}, graphs.hq)
+    return Pending(p, got[0], watch.after_kernels(p, nxt, nxt is None))
+
+
+def _eager_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,
+                nxt: Prepared | None, watch: Watch, skip: dict[int, str], hq: int) -> Pending:
+    """The step's block events, the watch around them, then its kernels, launch by launch."""
+    watch.before_events(p)
+    _apply_events(pool, p)
+    watch.after_events(p)
+    return _one_step(pool, truth, kernels, p, nxt, watch, skip, hq)
 
 
 def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,

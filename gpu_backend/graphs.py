@@ -1,15 +1,28 @@
-"""A steady step's device work as one CUDA graph: content, append, attention, reference, errors.
+"""A steady step's device work as one CUDA graph: events, page checks, content, append,
+attention, reference, token errors.
 
 Why: at batch 64 x kv 2k the step's kernels take ~0.15 ms of device time, and the host took
 0.6-1.4 ms to queue them eagerly (docs/gpu.md rounds 3-9: ~13 launches, FlashInfer's Python
 plan() and run(), and the Python between them): the replay was host-bound at 4-8x the kernels'
-time. Here such a step costs the host two copies, FlashInfer's C++ planner and one graph launch.
+time. Here such a step costs the host two copies, FlashInfer's C++ planner, one graph launch and
+one copy of its results.
 
 Which steps: the steady state of a speculative-decoding trace, one FA2 launch over every row
 with one query width W (verify rows), content and truth at the same positions, the reference one
-batched group (`prepare.RefGroup.identity`), no prefix fills, no RoPE overrun, no stale plan.
-`prepare` stages such a step's inputs one after the other (`block`), so the step's copy into the
-static buffers is two copies (the chunk's int64 and int32 twins), whatever the fields.
+batched group (`prepare.RefGroup.identity`), no prefix fills, no RoPE overrun, no stale plan, no
+slot copies among the block events. `prepare` stages such a step's inputs one after the other
+(`block`), so the step's copy into the static buffers is two copies (the chunk's int64 and int32
+twins). The variable-length ones (the pages the events touch, the pages the appends target, the
+poisoned rows) are padded to capacities that only grow within a replay (`HostState.graph_caps`),
+so a replay captures a few graphs, not one per step.
+
+With the incremental page watch (`watch.IncrementalWatch`) the graph also holds the block events'
+poison and the watch's checks (`poolk.graph_events`, `graph_pre`, `graph_post`, the same
+`_page_sum` and per-page steps as the eager kernels, counts read from the step's block). One
+check moves: the previous step's look at the pages this step's events touch runs at the start
+of this step's graph (before the events, as before); an eager step after a graph step does it
+itself (`IncrementalWatch.before_events`). With the full watch the events and the checksum stay
+eager around the graph.
 
 What is the same as the eager step: every kernel (the content and reference Triton kernels,
 FlashInfer's append and FA2 paged prefill), its inputs and its order; the FA2 kernel is planned
@@ -20,8 +33,8 @@ it stops at each row's own last limit either way (`refattn._attend_kernel`), so 
 What differs: FA2's split-kv merge order (rounding within the tolerance), and FlashInfer's
 Python checks in plan()/run(), which run once per shape at capture instead of every step.
 
-Graphs are keyed by (rows, W, page-list capacity); a step whose plan comes back different from
-its graph's (offsets in FlashInfer's workspace) runs eagerly (`stats()['eager_fallbacks']`).
+A step whose plan comes back different from its graph's (offsets in FlashInfer's workspace) or
+that FlashInfer's checks refuse runs eagerly (`stats()['eager_fallbacks']`).
 """
 
 from __future__ import annotations
@@ -47,16 +60,24 @@ _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("append_pos", "append_pos", "w"), ("qo", "run0_qo", "w"),
            ("kv_indptr", "kv_indptr", "w"), ("last_page_len", "last_page_len", "w"),
            ("slots", "g0_slots", "i"), ("limit", "g0_limit", "i"),
+           ("params", "gr_params", "i"), ("touched", "gr_touched", "i"),
+           ("wpages", "gr_wpages", "i"), ("prows", "gr_prows", "i"),
            ("kv_indices", "kv_indices", "w"))
+# gr_params: the counts and step numbers the graph's page checks read on the device
+# (poolk's PARAMS: touched pages, target pages, targets to check, step, previous step, rows)
+_PARAMS = 8
 
-Key = tuple[int, int, int]  # (rows, query width W, capacity of kv_indices)
+# (rows, query width W, capacities: kv_indices, touched pages, target pages, poisoned rows)
+Key = tuple[int, int, int, int, int, int]
 
 
-def offsets(R: int, W: int, P: int) -> dict[str, tuple[int, int]]:
-    """Field -> (offset, length) in words of a block for R rows of width W and P pages: the
-    fields one after the other, each aligned as `staging.Chunk.add` aligns an array."""
+def offsets(key: Key) -> dict[str, tuple[int, int]]:
+    """Field -> (offset, length) in words of a block of graph `key`: the fields one after the
+    other, each aligned as `staging.Chunk.add` aligns an array."""
+    R, W, cap_p, cap_t, cap_w, cap_r = key
     sizes = {"qo": R + 1, "kv_indptr": R + 1, "last_page_len": R, "slots": R, "limit": R * W,
-             "kv_indices": P}
+             "params": _PARAMS, "touched": cap_t, "wpages": cap_w, "prows": cap_r,
+             "kv_indices": cap_p}
     out, at = {}, 0
     for name, _, _ in _FIELDS:
         n = sizes.get(name, R * W)
@@ -65,24 +86,47 @@ def offsets(R: int, W: int, P: int) -> dict[str, tuple[int, int]]:
     return out
 
 
-def block(b: StepBatch, arrays: dict[str, np.ndarray], fill: bool, eng_nan: bool,
-          direct: bool, groups: list[Any]) -> Key | None:
-    """If step b can replay as a graph, order its arrays so that the graph's fields are staged
-    first, one after the other (the block `span` names), and return its graph key; else None.
-    `direct`: truth positions == engine's and the queries are the appends; `groups`: the
-    reference's (`prepare.RefGroup`)."""
+def _cap(n: int, floor: int) -> int:
+    """The power of two at or above max(n, floor)."""
+    return 1 << (max(n, floor, 1) - 1).bit_length()
+
+
+def block(caps: dict[tuple[int, int], Key], b: StepBatch, arrays: dict[str, np.ndarray],
+          ops: list[Any], wpages: np.ndarray, wcheck: int, prev: int, ok: bool,
+          groups: list[Any]) -> Key | None:
+    """If step b can replay as a graph, add its padded arrays, order its arrays so that the
+    graph's fields are staged first, one after the other (the block `span` names), and return
+    its graph key; else None. `caps`: the replay's capacities so far by (rows, W), grown here.
+    `ok`: no prefix fill, no RoPE overrun, truth positions == engine's, queries == appends;
+    `groups`: the reference's (`prepare.RefGroup`); `prev`: the step prepared before b."""
     R = b.num_rows
     runs = launch_runs(b)
-    if (b.backend != "fa2" or fill or eng_nan or not direct or len(groups) != 1
-            or not groups[0].identity or groups[0].pre != "g0_" or len(runs) != 1
-            or runs[0][2] != "verify" or stale_plan(b, 0, R, "verify") is not None):
+    if (b.backend != "fa2" or not ok or len(groups) != 1 or not groups[0].identity
+            or groups[0].pre != "g0_" or len(runs) != 1 or runs[0][2] != "verify"
+            or stale_plan(b, 0, R, "verify") is not None
+            or any(kind != "nan" for kind, *_ in ops)):
         return None
+    W = int(b.q_len[0])
+    touched = arrays.get("touched", np.zeros(0, dtype=np.int64))  # distinct, as the eager path's
+    prows = np.concatenate([arrays[f"ev{a}"] for _, a, *_ in ops]) if ops else \
+        np.zeros(0, dtype=np.int64)
+    have = caps.get((R, W), (R, W, 0, 0, 0, 0))
+    # floors: a few growths at most over a replay (each one captures a graph)
+    key = caps[(R, W)] = (R, W, max(have[2], _cap(len(b.kv_indices), 1)),
+                          max(have[3], _cap(len(touched), 4 * R)),
+                          max(have[4], _cap(len(wpages), 4 * R)),
+                          max(have[5], _cap(len(prows), 16 * R)))
+    arrays["gr_params"] = np.array([len(touched), len(wpages), wcheck, b.step, prev, len(prows),
+                                    0, 0], dtype=np.int64)
+    for name, a, cap in (("gr_touched", touched, key[3]), ("gr_wpages", wpages, key[4]),
+                         ("gr_prows", prows, key[5])):
+        arrays[name] = np.zeros(cap, dtype=np.int64)
+        arrays[name][: len(a)] = a
     first = {name: arrays.pop(name) for _, name, _ in _FIELDS}
     rest = dict(arrays)
     arrays.clear()
     arrays |= first | rest
-    P = len(b.kv_indices)
-    return R, int(b.q_len[0]), 1 << max(P - 1, 0).bit_length()
+    return key
 
 
 def span(dv: StepArrays) -> None:
@@ -95,13 +139,13 @@ def span(dv: StepArrays) -> None:
 @dataclass
 class _Entry:
     """One graph: static input buffers (int64 and int32 twins), the FA2 wrapper planned over
-    views of them, the captured graph and its output."""
+    views of them, the captured graph and its output buffer (token errors, moved targets)."""
     g64: torch.Tensor
     g32: torch.Tensor
     views: dict[str, torch.Tensor]
     wrapper: Any
     graph: torch.cuda.CUDAGraph | None = None
-    tok: torch.Tensor | None = None
+    out: torch.Tensor | None = None
     plan_info: Any = None
     plan_args: list[Any] | None = None
     # the planner's pinned buffers, one per step in turn (slot 0: the wrapper's own), and the
@@ -112,10 +156,13 @@ class _Entry:
 
 
 class StepGraphs:
-    """The graphs of one replay (its pool and truth store are captured by address)."""
+    """The graphs of one replay (its pool, truth store and watch are captured by address)."""
 
-    def __init__(self, kernels: Any, pool: Any, truth: Any, hq: int):
-        self.k, self.pool, self.truth, self.hq = kernels, pool, truth, hq
+    def __init__(self, kernels: Any, pool: Any, truth: Any, hq: int, watch: Any):
+        from gpu_backend.watch import IncrementalWatch
+
+        self.k, self.pool, self.truth, self.hq, self.watch = kernels, pool, truth, hq, watch
+        self.checks = isinstance(watch, IncrementalWatch)  # events and checks in the graph
         self.entries: dict[Key, _Entry] = {}
         self.pool_handle = torch.cuda.graph_pool_handle()
         self.replays = self.captures = self.fallbacks = 0
@@ -124,14 +171,14 @@ class StepGraphs:
         return {"graphs": len(self.entries), "graph_replays": self.replays,
                 "graph_captures": self.captures, "eager_fallbacks": self.fallbacks}
 
-    def run(self, p: Any) -> torch.Tensor | None:
-        """The step's per-token errors ([2, nnz_q] fp32, as `oracle.token_errors`), or None when
-        it must run eagerly (its plan does not fit its graph)."""
+    def run(self, p: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Run step p: (its per-token errors [2, nnz_q] fp32 as `oracle.token_errors`, its
+        targets' moved flags [len(p.wpages)] bool with the incremental watch, else None), or
+        None: run it eagerly, events and all (its plan does not fit its graph)."""
         key: Key = p.graph
-        R, W, cap = key
         e = self.entries.get(key)
         if e is None:
-            e = self.entries[key] = self._entry(R, W, cap)
+            e = self.entries[key] = self._entry(key)
         blk64, blk32 = p.dv["gblk"], p.dv["gblk@32"]
         n = int(blk64.shape[0])
         e.g64[:n].copy_(blk64)
@@ -139,69 +186,75 @@ class StepGraphs:
         self.k._hold_plan_cache(p.b.plan_cache_size)
         if e.graph is None:
             try:
-                return self._first(e, p, R, W)
+                self._first(e, p, key)
             except (ValueError, RuntimeError):
                 del self.entries[key]  # FlashInfer's checks refused the step: eager reports it
                 self.fallbacks += 1
                 return None
-        if not self._plan(e, p):
+        elif self._plan(e, p):
+            assert e.graph is not None
+            e.graph.replay()
+            self.replays += 1
+        else:
             self.fallbacks += 1
             return None
-        e.graph.replay()
-        self.replays += 1
-        assert e.tok is not None
-        return e.tok.clone()  # the step's own copy: the next replay rewrites e.tok
+        assert e.out is not None
+        out = e.out.clone()  # the step's own copy: the next replay rewrites e.out
+        N = 2 * p.b.num_tokens
+        tok = out[: 4 * N].view(torch.float32).view(2, -1)
+        moved = out[4 * N: 4 * N + len(p.wpages)].view(torch.bool) if self.checks else None
+        return tok, moved
 
-    def _entry(self, R: int, W: int, cap: int) -> _Entry:
-        at = offsets(R, W, cap)
+    def _entry(self, key: Key) -> _Entry:
+        at = offsets(key)
         size = sum(at["kv_indices"])
         dev = self.pool.data.device
         g64 = torch.zeros(size, dtype=torch.int64, device=dev)
         g32 = torch.zeros(size, dtype=torch.int32, device=dev)
-        v = self._views(g64, g32, R, W, cap)
+        v = {}
+        for (name, _, kind), (o, m) in zip(_FIELDS, at.values(), strict=True):
+            src = g64.view(torch.float64) if kind == "f" else g64 if kind == "i" else g32
+            v[name] = src[o: o + m]
+        v["limit"] = v["limit"].view(key[0], key[1])
         w = self.k.fi.BatchPrefillWithPagedKVCacheWrapper(
             self.k.ws[1], "NHD", use_cuda_graph=True, qo_indptr_buf=v["qo"],
             paged_kv_indptr_buf=v["kv_indptr"], paged_kv_indices_buf=v["kv_indices"],
             paged_kv_last_page_len_buf=v["last_page_len"], backend="fa2")
         return _Entry(g64, g32, v, w)
 
-    @staticmethod
-    def _views(g64: torch.Tensor, g32: torch.Tensor, R: int, W: int, cap: int
-               ) -> dict[str, torch.Tensor]:
-        out = {}
-        for (name, _, kind), (o, m) in zip(_FIELDS, offsets(R, W, cap).values(), strict=True):
-            src = g64.view(torch.float64) if kind == "f" else g64 if kind == "i" else g32
-            out[name] = src[o: o + m]
-        out["limit"] = out["limit"].view(R, W)
-        return out
-
-    def _first(self, e: _Entry, p: Any, R: int, W: int) -> torch.Tensor:
+    def _first(self, e: _Entry, p: Any, key: Key) -> None:
         """A key's first step: planned through FlashInfer's Python plan() (its checks, once),
         run eagerly over the static buffers (this step's result, and the warm-up every capture
         needs), then captured for the steps after it."""
-        b, dv = p.b, p.dv
-        m = self.pool.data
+        b, dv, m = p.b, p.dv, self.pool.data
         hkv, d = int(m.shape[3]), int(m.shape[4])
-        v = e.views
         w = e.wrapper
+        w.plan(dv["run0_qo@host"], dv["kv_indptr@host"], e.views["kv_indices"],
+               dv["last_page_len@host"], self.hq, hkv, d, b.page_size, causal=True,
+               q_data_type=m.dtype, kv_data_type=m.dtype, seq_lens=dv["seq_lens@host"],
+               uniform_q_len=key[1])
         e.pins = [w._pin_memory_int_workspace_buffer] + [
             torch.empty_like(w._pin_memory_int_workspace_buffer, pin_memory=True)
             for _ in range(RING - 1)]
         e.fences = [torch.cuda.Event() for _ in range(RING)]
-        e.wrapper.plan(dv["run0_qo@host"], dv["kv_indptr@host"], v["kv_indices"],
-                       dv["last_page_len@host"], self.hq, hkv, d, b.page_size, causal=True,
-                       q_data_type=m.dtype, kv_data_type=m.dtype, seq_lens=dv["seq_lens@host"],
-                       uniform_q_len=W)
         e.fences[0].record()
         e.plans = 1
-        e.plan_info = _info(e.wrapper._plan_info)
-        e.plan_args = self._plan_args(e, R, W, b.page_size, hkv, d)
-        tok = self._body(e, R, W).clone()
-        e.graph, e.tok = self._capture(e, R, W)
+        e.plan_info = w._plan_info
+        # FlashInfer 0.7.2's FA2 planner arguments as its plan() builds them (prefill.py); the
+        # pinned buffer and the three host arrays are each step's own (`_plan`)
+        e.plan_args = [w._float_workspace_buffer, w._int_workspace_buffer, None, None, None,
+                       None, w._max_total_num_rows, key[0], self.hq, hkv, b.page_size, True, d,
+                       d, True, -1, -1, False, 0, key[1]]
+        e.out = self._out(key, b.num_tokens)
+        self._body(e, key)
+        e.graph = self._capture(e, key)
         self.captures += 1
-        return tok
 
-    def _capture(self, e: _Entry, R: int, W: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _out(self, key: Key, n: int) -> torch.Tensor:
+        """The graph's results as bytes: token errors [2, n] fp32, then moved flags [cap_w]."""
+        return torch.empty(8 * n + key[4], dtype=torch.uint8, device=self.pool.data.device)
+
+    def _capture(self, e: _Entry, key: Key) -> torch.cuda.CUDAGraph:
         """The body captured on a side stream (nothing runs: the step's work was done eagerly).
         Not `torch.cuda.graph`, whose device sync, gc.collect() and empty_cache() took a key's
         first step from 1.9 to 12.5 ms on the H200: nothing here needs them (the side stream
@@ -212,19 +265,28 @@ class StepGraphs:
         with torch.cuda.stream(side):
             g.capture_begin(pool=self.pool_handle, capture_error_mode="thread_local")
             try:
-                tok = self._body(e, R, W)
+                self._body(e, key)
             finally:
                 g.capture_end()
         cur.wait_stream(side)
-        return g, tok
+        return g
 
-    def _body(self, e: _Entry, R: int, W: int) -> torch.Tensor:
-        """The step's device work over the static buffers: what `driver._one_step` does for it."""
-        from gpu_backend import refattn
+    def _body(self, e: _Entry, key: Key) -> None:
+        """The step's device work over the static buffers, results into e.out: what the driver
+        does for an eager step (`driver._apply_events`, the watch, `driver._one_step`)."""
+        from gpu_backend import poolk, refattn
         from gpu_backend.pool import content_kv_q
 
-        m, tr, v = self.pool.data, self.truth.kv, e.views
+        R, W = key[0], key[1]
+        pool, m, tr, v, wt = self.pool, self.pool.data, self.truth.kv, e.views, self.watch
         hkv, d = int(m.shape[3]), int(m.shape[4])
+        assert e.out is not None
+        n = R * W
+        if self.checks:
+            poolk.graph_events(pool.words, pool.rows, v["params"], v["touched"], v["prows"],
+                               wt.sums, wt.stamp, wt.flag)
+            poolk.graph_pre(pool.words, v["params"], v["touched"], v["wpages"], wt.sums, wt.pre,
+                            wt.stamp, wt.flag)
         kv, q = content_kv_q(v["app_tok_m"], v["app_pos_m"], hkv, self.hq, d, m.dtype,
                              truth=(tr, v["tslot"], v["true_pos"]))
         assert q is not None
@@ -235,15 +297,11 @@ class StepGraphs:
         e.wrapper.run(q, m, out=out)
         ref = refattn.attend(q.view(R, W, self.hq, d), tr, v["slots"], v["limit"],
                              int(tr.shape[3]))
-        return refattn.token_errors(out, ref.view(R * W, self.hq, d))
-
-    def _plan_args(self, e: _Entry, R: int, W: int, page: int, hkv: int, d: int) -> list[Any]:
-        """FlashInfer 0.7.2's FA2 planner arguments as its plan() builds them (prefill.py), the
-        three host arrays left as None (each step's own, `_plan`)."""
-        w = e.wrapper
-        return [w._float_workspace_buffer, w._int_workspace_buffer,
-                w._pin_memory_int_workspace_buffer, None, None, None, w._max_total_num_rows,
-                R, self.hq, hkv, page, True, d, d, True, -1, -1, False, 0, W]
+        refattn.token_errors(out, ref.view(n, self.hq, d),
+                             into=e.out[: 8 * n].view(torch.float32).view(2, n))
+        if self.checks:
+            poolk.graph_post(pool.words, v["params"], v["wpages"], wt.sums, wt.pre,
+                             e.out[8 * n:].view(torch.int8))
 
     def _plan(self, e: _Entry, p: Any) -> bool:
         """FlashInfer's C++ planner for this step (its Python checks passed at capture: same
@@ -264,9 +322,5 @@ class StepGraphs:
             return False  # FlashInfer refuses the metadata: the eager step reports it
         finally:
             ev.record()
-        return _info(info) == e.plan_info
-
-
-def _info(x: Any) -> list[int]:
-    """A plan's info (FlashInfer's int64 vector, a tvm-ffi array in 0.7.2) as a list."""
-    return [int(v) for v in x]
+        # one C++ comparison of two tvm-ffi arrays (a list of their ints in Python: ~80 µs)
+        return bool(info == e.plan_info)

@@ -51,48 +51,122 @@ def resum(words: torch.Tensor, sums: torch.Tensor, idx: torch.Tensor) -> None:
         _sums((int(idx.numel()),), words, idx, sums, W=W, BLOCK=_block(W))
 
 
+@triton.jit
+def _resum_one(WORDS, TOUCHED, i, SUMS, W: tl.constexpr, BLOCK: tl.constexpr):
+    """A page the step's events touched: its expected sum is its sum now."""
+    page = tl.load(TOUCHED + i)
+    tl.store(SUMS + page, _page_sum(WORDS, page, W, BLOCK))
+
+
+@triton.jit
+def _pre_one(WORDS, IDX, j, check, SUMS, PRE, STAMP, FLAG, step, W: tl.constexpr,
+             BLOCK: tl.constexpr):
+    """Target j before the kernels: its sum, stamped with the step; the first `check` targets
+    (none touched, so no program of this launch writes their expected sums) checked against
+    their expected sums."""
+    page = tl.load(IDX + j)
+    s = _page_sum(WORDS, page, W, BLOCK)
+    tl.store(PRE + page, s)
+    tl.store(STAMP + page, step)
+    if j < check:
+        tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
+
+
+@triton.jit
+def _post_one(WORDS, IDX, i, SUMS, PRE, MOVED, W: tl.constexpr, BLOCK: tl.constexpr):
+    """Target i after the kernels: moved, and its new expected sum."""
+    page = tl.load(IDX + i)
+    s = _page_sum(WORDS, page, W, BLOCK)
+    tl.store(MOVED + i, (s != tl.load(PRE + page)).to(tl.int8))
+    tl.store(SUMS + page, s)
+
+
+@triton.jit
+def _ahead_one(WORDS, AHEAD, i, SUMS, STAMP, FLAG, step, W: tl.constexpr, BLOCK: tl.constexpr):
+    """A page the next events touch, checked unless it was a target of `step` (its expected sum
+    is that step's `_post_one`'s: STAMP says which, written by `_pre_one`)."""
+    page = tl.load(AHEAD + i)
+    if tl.load(STAMP + page) != step:
+        s = _page_sum(WORDS, page, W, BLOCK)
+        tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
+
+
 @triton.jit(do_not_specialize=["step", "nt", "check"])
 def _resum_pre_kernel(WORDS, TOUCHED, nt, IDX, check, SUMS, PRE, STAMP, FLAG, step,
                       W: tl.constexpr, BLOCK: tl.constexpr):
     """Programs [0, nt): the pages the step's events touched, re-summed; the rest: its target
-    pages, summed before its kernels, the first `check` of them (none touched, so no program
-    of this launch writes their expected sums) checked against their expected sums."""
+    pages before its kernels (`_pre_one`)."""
     i = tl.program_id(0)
     if i < nt:
-        page = tl.load(TOUCHED + i)
-        tl.store(SUMS + page, _page_sum(WORDS, page, W, BLOCK))
+        _resum_one(WORDS, TOUCHED, i, SUMS, W, BLOCK)
     else:
-        j = i - nt
-        page = tl.load(IDX + j)
-        s = _page_sum(WORDS, page, W, BLOCK)
-        tl.store(PRE + page, s)
-        tl.store(STAMP + page, step)
-        if j < check:
-            tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
+        _pre_one(WORDS, IDX, i - nt, check, SUMS, PRE, STAMP, FLAG, step, W, BLOCK)
 
 
 @triton.jit(do_not_specialize=["step", "n"])
 def _post_kernel(WORDS, IDX, n, AHEAD, SUMS, PRE, STAMP, MOVED, FLAG, step, W: tl.constexpr,
                  BLOCK: tl.constexpr):
-    """Programs [0, n): the step's targets (moved, new expected sum); the rest: pages the next
-    step's events touch, checked unless they were this step's targets (their sums are being
-    rewritten by the first programs: STAMP says which, written by _resum_pre_kernel's
-    launch)."""
+    """Programs [0, n): the step's targets (`_post_one`); the rest: pages the next step's events
+    touch (`_ahead_one`)."""
     i = tl.program_id(0)
     if i < n:
-        page = tl.load(IDX + i)
-        s = _page_sum(WORDS, page, W, BLOCK)
-        tl.store(MOVED + i, (s != tl.load(PRE + page)).to(tl.int8))
-        tl.store(SUMS + page, s)
+        _post_one(WORDS, IDX, i, SUMS, PRE, MOVED, W, BLOCK)
     else:
-        page = tl.load(AHEAD + i - n)
-        if tl.load(STAMP + page) != step:
-            s = _page_sum(WORDS, page, W, BLOCK)
-            tl.store(FLAG, 1, mask=s != tl.load(SUMS + page))
+        _ahead_one(WORDS, AHEAD, i - n, SUMS, STAMP, FLAG, step, W, BLOCK)
+
+
+# The same checks inside a CUDA graph (`gpu_backend.graphs`): the counts and step numbers come
+# from the step's block on the device (PARAMS: nt, n, check, step, previous step, poisoned
+# rows), the grids from the graph's capacities; programs past a count do nothing.
+@triton.jit
+def _g_ahead_kernel(WORDS, PARAMS, TOUCHED, SUMS, STAMP, FLAG, W: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """The previous step's check of the pages this step's events touch, before they do."""
+    i = tl.program_id(0)
+    if i < tl.load(PARAMS):
+        _ahead_one(WORDS, TOUCHED, i, SUMS, STAMP, FLAG, tl.load(PARAMS + 4), W, BLOCK)
+
+
+@triton.jit
+def _g_poison_kernel(ROWS, PARAMS, IDX, RW: tl.constexpr, BLOCK: tl.constexpr,
+                     NAN: tl.constexpr):
+    """`KVPool.poison_rows`: rows IDX[i] of the pool as 16-bit words [rows, RW] set to NAN, the
+    bits index_fill_ writes (a float NaN cast in the kernel could be another NaN)."""
+    i = tl.program_id(0)
+    if i < tl.load(PARAMS + 5):
+        base = ROWS + tl.load(IDX + i) * RW
+        for c0 in range(0, RW, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            tl.store(base + c, tl.full([BLOCK], NAN, tl.int16), mask=c < RW)
+
+
+@triton.jit
+def _g_pre_kernel(WORDS, PARAMS, TOUCHED, IDX, cap_t, SUMS, PRE, STAMP, FLAG,
+                  W: tl.constexpr, BLOCK: tl.constexpr):
+    """`_resum_pre_kernel` with the touched pages' programs [0, cap_t)."""
+    i = tl.program_id(0)
+    if i < cap_t:
+        if i < tl.load(PARAMS):
+            _resum_one(WORDS, TOUCHED, i, SUMS, W, BLOCK)
+    elif i - cap_t < tl.load(PARAMS + 1):
+        _pre_one(WORDS, IDX, i - cap_t, tl.load(PARAMS + 2), SUMS, PRE, STAMP, FLAG,
+                 tl.load(PARAMS + 3), W, BLOCK)
+
+
+@triton.jit
+def _g_post_kernel(WORDS, PARAMS, IDX, SUMS, PRE, MOVED, W: tl.constexpr, BLOCK: tl.constexpr):
+    """`_post_kernel`'s targets (the next events' pages: the next step's `_g_ahead_kernel`)."""
+    i = tl.program_id(0)
+    if i < tl.load(PARAMS + 1):
+        _post_one(WORDS, IDX, i, SUMS, PRE, MOVED, W, BLOCK)
 
 
 _resum_pre = Launcher(_resum_pre_kernel, num_warps=8)
 _post = Launcher(_post_kernel, num_warps=8)
+_g_ahead = Launcher(_g_ahead_kernel, num_warps=8)
+_g_poison = Launcher(_g_poison_kernel, num_warps=4)
+_g_pre = Launcher(_g_pre_kernel, num_warps=8)
+_g_post = Launcher(_g_post_kernel, num_warps=8)
 
 
 def resum_pre(words: torch.Tensor, touched: torch.Tensor | None, idx: torch.Tensor | None,
@@ -120,3 +194,32 @@ def post_check(words: torch.Tensor, idx: torch.Tensor | None, ahead: torch.Tenso
               sums, pre, stamp, moved, flag, step, W=int(words.shape[1]),
               BLOCK=_block(int(words.shape[1])))
     return moved.view(torch.bool)
+
+
+def graph_events(words: torch.Tensor, rows: torch.Tensor, params: torch.Tensor,
+                 touched: torch.Tensor, prows: torch.Tensor, sums: torch.Tensor,
+                 stamp: torch.Tensor, flag: torch.Tensor) -> None:
+    """In a graph, before a step's kernels: the previous step's check of the pages the events
+    touch, then the events' poison (rows: the pool as [rows, H_kv * D], 16-bit floats)."""
+    W, RW = int(words.shape[1]), int(rows.shape[1])
+    _g_ahead((int(touched.numel()),), words, params, touched, sums, stamp, flag, W=W,
+             BLOCK=_block(W))
+    nan = int(torch.full((), float("nan"), dtype=rows.dtype).view(torch.int16).item())
+    _g_poison((int(prows.numel()),), rows.view(torch.int16), params, prows, RW=RW,
+              BLOCK=min(triton.next_power_of_2(RW), 1024), NAN=nan)
+
+
+def graph_pre(words: torch.Tensor, params: torch.Tensor, touched: torch.Tensor,
+              idx: torch.Tensor, sums: torch.Tensor, pre: torch.Tensor, stamp: torch.Tensor,
+              flag: torch.Tensor) -> None:
+    """`resum_pre` in a graph: counts and step from params."""
+    W, nt = int(words.shape[1]), int(touched.numel())
+    _g_pre((nt + int(idx.numel()),), words, params, touched, idx, nt, sums, pre, stamp, flag,
+           W=W, BLOCK=_block(W))
+
+
+def graph_post(words: torch.Tensor, params: torch.Tensor, idx: torch.Tensor,
+               sums: torch.Tensor, pre: torch.Tensor, moved: torch.Tensor) -> None:
+    """`post_check`'s targets in a graph, moved flags into `moved` (int8, len(idx))."""
+    W = int(words.shape[1])
+    _g_post((int(idx.numel()),), words, params, idx, sums, pre, moved, W=W, BLOCK=_block(W))

@@ -22,6 +22,7 @@ import torch
 
 from gpu_backend import graphs
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
+from gpu_backend.graphs import Key as GraphKey
 from gpu_backend.layout import StepBatch, build_step, run_arrays
 from gpu_backend.pool import mod_m
 from gpu_backend.staging import Chunk, StepArrays, stage
@@ -67,7 +68,7 @@ class Prepared:
     # expected sums; the others were just re-summed)
     wpages: np.ndarray
     wcheck: int
-    graph: tuple[int, int, int] | None = None  # its CUDA graph's key (`graphs.block`), if any
+    graph: GraphKey | None = None  # its CUDA graph's key (`graphs.block`), if any
 
 
 @dataclass
@@ -86,6 +87,8 @@ class HostState:
     # the last prepared step's rewind (pool rows, pages): applied before the next step's events
     rewind: tuple[np.ndarray, np.ndarray] | None = None
     graphs: bool = False  # lay out the steady steps' inputs for `graphs.StepGraphs`
+    graph_caps: dict[tuple[int, int], GraphKey] = field(default_factory=dict)
+    prev_step: int = -1  # the step prepared last
 
 
 def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
@@ -149,8 +152,10 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
     eng_nan, same = _content_arrays(st, b, arrays)
     groups = _ref_groups(b, slots, arrays)
     q_identity = b.num_tokens == len(b.app_tokens)
-    graph = graphs.block(b, arrays, fill, eng_nan, same and q_identity, groups) \
+    graph = graphs.block(st.graph_caps, b, arrays, ops, wpages, wcheck, st.prev_step,
+                         not fill and not eng_nan and same and q_identity, groups) \
         if st.graphs else None
+    st.prev_step = b.step
     st.rewind = None
     if b.reject_page.size:
         pz = st.trace.model.page_size

@@ -122,12 +122,14 @@ def _token_err_kernel(OUT, REF, TOK, n, N, BLOCK: tl.constexpr):
     tl.store(TOK + n + t, top)
 
 
-def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def token_errors(out: torch.Tensor, ref: torch.Tensor,
+                 into: torch.Tensor | None = None) -> torch.Tensor:
     """`oracle.token_errors` in one launch (one program per token): [2, nnz_q] fp32, max
-    |out - ref| and max ref per token, NaN where the token holds one."""
+    |out - ref| and max ref per token, NaN where the token holds one (written into `into`, a
+    contiguous [2, nnz_q] fp32, when given: a CUDA graph's output)."""
     n = int(out.shape[0])
     N = out[0].numel() if n else 0
-    tok = torch.empty((2, n), dtype=torch.float32, device=out.device)
+    tok = torch.empty((2, n), dtype=torch.float32, device=out.device) if into is None else into
     if n:
         _token_err((n,), out.contiguous(), ref.contiguous(), tok, n, N,
                    BLOCK=triton.next_power_of_2(N))

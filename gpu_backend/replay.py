@@ -117,13 +117,13 @@ class FlashInferKernels:
             raise KernelFault(f"{type(exc).__name__}: {exc}") from None
         return out
 
-    def step_graphs(self, pool: KVPool, truth: Any, hq: int) -> Any:
+    def step_graphs(self, pool: KVPool, truth: Any, hq: int, watch: Any) -> Any:
         """The replay's `graphs.StepGraphs`, or None (eager: --eager, or timing each launch)."""
         if not self.graphs:
             return None
         from gpu_backend.graphs import StepGraphs
 
-        return StepGraphs(self, pool, truth, hq)
+        return StepGraphs(self, pool, truth, hq, watch)
 
     def _hold_plan_cache(self, n: int) -> None:
         """Hold n plan-cache entries (decode + prefill wrapper each, as TRT-LLM's

@@ -44,6 +44,9 @@ class FullWatch:
         self.pool = pool
         self.sums = pool.checksum()  # every page's sum as of the last look
 
+    def before_events(self, p: Prepared) -> None:
+        pass
+
     def after_events(self, p: Prepared) -> None:
         if p.touched:  # only the touched pages' sums moved since the last step's checksum
             self.pool.resum(self.sums, p.dv["touched"])
@@ -74,6 +77,17 @@ class IncrementalWatch:
         # step stamp of the last step whose targets included the page (-1: none yet)
         self.stamp = torch.full_like(self.sums, -1)
         self.flag = torch.zeros(1, dtype=torch.int32, device=self.sums.device)  # stale if != 0
+        # the step a CUDA graph ran last, whose look at the next events' pages is still owed
+        # (`graphs`: a graph step's own graph does it for the step before)
+        self.owed: int | None = None
+
+    def before_events(self, p: Prepared) -> None:
+        """An eager step after a graph step: that step's check of the pages these events touch,
+        before they do."""
+        if self.owed is not None and p.touched:
+            self.pool.post_check(None, p.dv["touched"], self.sums, self.pre, self.stamp,
+                                 self.flag, self.owed)
+        self.owed = None
 
     def after_events(self, p: Prepared) -> None:
         """The touched pages re-summed (checked before the events ran: after_kernels of the
@@ -87,10 +101,19 @@ class IncrementalWatch:
         ahead = nxt.dv["touched"] if nxt is not None and nxt.touched else None
         changed = self.pool.post_check(p.dv["wpages"] if len(p.wpages) else None, ahead,
                                        self.sums, self.pre, self.stamp, self.flag, p.b.step)
+        self._count(last)
+        return changed
+
+    def after_graph(self, p: Prepared, last: bool) -> None:
+        """A step whose graph ran the events and the checks (`graphs`): the whole-pool check
+        when due; the next events' pages are the next step's to check."""
+        self.owed = p.b.step
+        self._count(last)
+
+    def _count(self, last: bool) -> None:
         self.n += 1
         if last or self.n % self.every == 0:
             self.pool.full_check(self.sums, self.flag)
-        return changed
 
     def on_fault(self) -> None:
         raise Unseen("a step faulted: its partial writes are attributed by the full watch")

@@ -95,3 +95,69 @@ def test_flashinfer_stray_writes_are_found_and_replayed_in_full(tmp_path: Path,
     assert inc.watch.startswith("full (incremental found a page changed outside")
     assert _rows(inc) == _rows(full)
     assert {r.verdict for r in full.rows if r.step == at[0]} == {"corrupt"}
+
+
+def _graph_vs_eager(dev: str, off: int | None, stray: int | None, stamped: int | None
+                    ) -> tuple[dict[str, Any], ...]:
+    """One step's events and checks, eagerly (the previous step's ahead check, the poison,
+    resum_pre, post_check) and as the graph's kernels read them (counts in PARAMS, arrays padded
+    past them): the same pool, sums, stamps, flag and moved flags."""
+    from gpu_backend import poolk
+
+    touched, idx = [50, 60, 12], [10, 40, 50]
+    rows = [50 * 32 + 3, 60 * 32, 60 * 32 + 17, 12 * 32 + 31]  # (page, K|V, slot) rows
+    out = []
+    for graph in (False, True):
+        pool = KVPool(200, 4, 16, 2, 64, torch.bfloat16, dev)
+        g = torch.Generator(device=dev).manual_seed(5)
+        pool.data.copy_(torch.randn(pool.data.shape, device=dev, generator=g))
+        s = {"sums": pool.checksum(), "pre": torch.zeros(208, dtype=torch.int64, device=dev),
+             "stamp": torch.full((208,), -1, dtype=torch.int64, device=dev),
+             "flag": torch.zeros(1, dtype=torch.int32, device=dev)}
+        if stamped is not None:  # a target of the previous step (6): not checked ahead
+            s["stamp"][stamped] = 6
+        if off is not None:
+            s["sums"][off] += 1
+        t, i, r = (torch.tensor(x + [0] * 5, device=dev) for x in (touched, idx, rows))
+        params = torch.tensor([3, 3, 2, 7, 6, 4, 0, 0], device=dev)
+        if graph:
+            poolk.graph_events(pool.words, pool.rows, params, t, r, s["sums"], s["stamp"],
+                               s["flag"])
+            poolk.graph_pre(pool.words, params, t, i, s["sums"], s["pre"], s["stamp"], s["flag"])
+        else:
+            pool.post_check(None, t[:3], s["sums"], s["pre"], s["stamp"], s["flag"], 6)
+            pool.poison_rows(r[:4])
+            pool.resum_pre(t[:3], i[:3], 2, s["sums"], s["pre"], s["stamp"], s["flag"], 7)
+        pool.data[[10, 40, 50], 0, 0] += 1  # "the kernels"
+        if stray is not None:
+            pool.data[stray, 1, 3] += 1
+        if graph:
+            moved = torch.zeros(8, dtype=torch.int8, device=dev)
+            poolk.graph_post(pool.words, params, i, s["sums"], s["pre"], moved)
+            s["moved"] = moved[:3].view(torch.bool)
+        else:
+            s["moved"] = pool.post_check(i[:3], None, s["sums"], s["pre"], s["stamp"],
+                                         s["flag"], 7)
+        s["words"] = pool.words.clone()
+        out.append(s)
+    return tuple(out)
+
+
+GRAPH_CASES = [
+    (None, None, None, False),
+    (12, None, None, True),  # an events' page changed since its last sum: the ahead check
+    (12, None, 12, False),  # ... unless it was the previous step's target (its sum is fresh)
+    (10, None, None, True),  # a checked target: resum_pre
+    (None, 77, None, False),  # a page neither aimed at nor touched: the whole-pool check's
+]
+
+
+@pytest.mark.parametrize(("off", "stray", "stamped", "flagged"), GRAPH_CASES)
+def test_graph_kernels_are_the_eager_events_and_checks(off: int | None, stray: int | None,
+                                                       stamped: int | None,
+                                                       flagged: bool) -> None:
+    eager, graph = _graph_vs_eager("cuda", off, stray, stamped)
+    for k in eager:
+        assert torch.equal(eager[k], graph[k]), k
+    assert bool(graph["flag"].item()) == flagged
+    assert graph["moved"].tolist() == [True, True, True]

@@ -10,6 +10,9 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   generation step to one after the last, divided by the step count; no events, no spins. The
   first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`), which
   runs ahead of the steps: it is reported beside (`prepare_ms_per_step`, `ratio_incl_prepare`).
+  A trace longer than one upload chunk (`prepare.CHUNK_WORDS`) prepares its later chunks inside
+  the timed steps: `prepare_in_wall_ms_per_step` is that time and `ratio_excl_prepare` the ratio
+  without it (the same as `ratio` when the trace fits one chunk).
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
@@ -54,6 +57,7 @@ from typing import Any
 
 import torch
 
+from gpu_backend import driver
 from gpu_backend.calibrate import meta
 from gpu_backend.driver import ReplayResult, max_ok_error, replay
 from gpu_backend.replay import FlashInferKernels
@@ -67,23 +71,44 @@ def _kernels(trace: TraceData, timing: bool = False) -> FlashInferKernels:
     return FlashInferKernels(trace.model.num_q_heads, "cuda", timing=timing, graphs=GRAPHS[0])
 
 
-def wall_pass(trace: TraceData, first: int, last: int) -> tuple[float, float, ReplayResult]:
+def wall_pass(trace: TraceData, first: int, last: int
+              ) -> tuple[float, float, float, ReplayResult]:
     """(ms per step from `first` to `last`, ms per step the host waited for the device inside
-    those steps, result) of one untimed replay. The wait is the time the host sat in
-    FlashInfer-plan fences (the only waits in a step): wall - wait is the host's own time."""
+    those steps, ms per step of host preparation inside them, result) of one untimed replay.
+    The wait is the time the host sat in FlashInfer-plan fences (the only waits in a step):
+    wall - wait is the host's own time. Preparation runs a chunk of steps ahead
+    (`prepare.CHUNK_WORDS`): a trace longer than a chunk prepares its later chunks inside the
+    timed steps, and that time is counted here to be taken out (`wall_excl_prepare`)."""
     marks: dict[str, float] = {}
+    prep = {"on": 0.0, "s": 0.0}
     k = _kernels(trace)
+    real = driver.prepared_steps
+
+    def timed_steps(*a: Any, **kw: Any) -> Any:
+        it = real(*a, **kw)
+        while True:
+            t0 = time.perf_counter()
+            p = next(it, None)
+            prep["s"] += (time.perf_counter() - t0) * prep["on"]
+            if p is None:
+                return
+            yield p
 
     def on_step(step: int, what: str) -> None:
         if (step, what) in ((first, "start"), (last, "done")):
             torch.cuda.synchronize()
             marks[what] = time.perf_counter()
             marks["wait_" + what] = k.wait_s
+            prep["on"] = float(what == "start")
 
-    res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
+    driver.prepared_steps = timed_steps  # type: ignore[assignment]
+    try:
+        res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
+    finally:
+        driver.prepared_steps = real  # type: ignore[assignment]
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
-            (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, res)
+            (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res)
 
 
 def kernel_pass(trace: TraceData) -> list[float]:
@@ -234,8 +259,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     first, last = trace.steps[1].step, trace.steps[-1].step
     replay(trace, _kernels(trace), "cuda",
            watch=WATCH[0])  # JIT, warm-up
-    wall, wait, res = wall_pass(trace, first, last)
-    wall2, wait2, res2 = wall_pass(trace, first, last)
+    wall, wait, pin, res = wall_pass(trace, first, last)
+    wall2, wait2, pin2, res2 = wall_pass(trace, first, last)
     ms = kernel_pass(trace)
     ph = phases_pass(trace, first, last) if phases else None
     dev = device_pass(trace, first, last) if device else None
@@ -249,14 +274,17 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     out = {"trace": str(path), "steps": len(ms), "batch": len(trace.rows[first]),
            "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
            "host_wait_ms_per_step": wait,
-           "kernel_ms_per_step": kern, "ratio": wall / kern, "prepare_ms_per_step": prep,
+           "kernel_ms_per_step": kern, "ratio": wall / kern,
+           "prepare_in_wall_ms_per_step": pin, "ratio_excl_prepare": (wall - pin) / kern,
+           "prepare_ms_per_step": prep,
            "ratio_incl_prepare": (wall + prep) / kern,
            "prepare_gen_ms_per_step": prep_gen,
            "ratio_gen_incl_prepare": (wall + prep_gen) / kern, "counts": res.counts(),
            "max_ok_err": max_ok_error(res), "rows_checked": len(rows), "watch_used": res.watch,
            "graphs": {k: v for k, v in res.stats.items() if "graph" in k or "eager" in k},
            "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,
-                      "ratio": wall2 / kern,
+                      "ratio": wall2 / kern, "prepare_in_wall_ms_per_step": pin2,
+                      "ratio_excl_prepare": (wall2 - pin2) / kern,
                       "same_verdicts": [r.verdict for r in res.rows] ==
                       [r.verdict for r in res2.rows]},
            "kernel_ms_min_max": [min(ms), max(ms)]}

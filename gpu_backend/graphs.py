@@ -185,9 +185,7 @@ class StepGraphs:
         e.g32[:n].copy_(blk32)
         self.k._hold_plan_cache(p.b.plan_cache_size)
         if e.graph is None:
-            try:
-                self._first(e, p, key)
-            except (ValueError, RuntimeError):
+            if not self._first(e, p, key):
                 del self.entries[key]  # FlashInfer's checks refused the step: eager reports it
                 self.fallbacks += 1
                 return None
@@ -200,9 +198,9 @@ class StepGraphs:
             return None
         assert e.out is not None
         out = e.out.clone()  # the step's own copy: the next replay rewrites e.out
-        N = 2 * p.b.num_tokens
-        tok = out[: 4 * N].view(torch.float32).view(2, -1)
-        moved = out[4 * N: 4 * N + len(p.wpages)].view(torch.bool) if self.checks else None
+        n = p.b.num_tokens  # the layout of `_out`
+        tok = out[: 8 * n].view(torch.float32).view(2, n)
+        moved = out[8 * n: 8 * n + len(p.wpages)].view(torch.bool) if self.checks else None
         return tok, moved
 
     def _entry(self, key: Key) -> _Entry:
@@ -222,17 +220,21 @@ class StepGraphs:
             paged_kv_last_page_len_buf=v["last_page_len"], backend="fa2")
         return _Entry(g64, g32, v, w)
 
-    def _first(self, e: _Entry, p: Any, key: Key) -> None:
+    def _first(self, e: _Entry, p: Any, key: Key) -> bool:
         """A key's first step: planned through FlashInfer's Python plan() (its checks, once),
         run eagerly over the static buffers (this step's result, and the warm-up every capture
-        needs), then captured for the steps after it."""
+        needs), then captured for the steps after it. False if plan() refused the step (nothing
+        ran: the eager step reports it)."""
         b, dv, m = p.b, p.dv, self.pool.data
         hkv, d = int(m.shape[3]), int(m.shape[4])
         w = e.wrapper
-        w.plan(dv["run0_qo@host"], dv["kv_indptr@host"], e.views["kv_indices"],
-               dv["last_page_len@host"], self.hq, hkv, d, b.page_size, causal=True,
-               q_data_type=m.dtype, kv_data_type=m.dtype, seq_lens=dv["seq_lens@host"],
-               uniform_q_len=key[1])
+        try:
+            w.plan(dv["run0_qo@host"], dv["kv_indptr@host"], e.views["kv_indices"],
+                   dv["last_page_len@host"], self.hq, hkv, d, b.page_size, causal=True,
+                   q_data_type=m.dtype, kv_data_type=m.dtype, seq_lens=dv["seq_lens@host"],
+                   uniform_q_len=key[1])
+        except (ValueError, RuntimeError):
+            return False
         e.pins = [w._pin_memory_int_workspace_buffer] + [
             torch.empty_like(w._pin_memory_int_workspace_buffer, pin_memory=True)
             for _ in range(RING - 1)]
@@ -249,6 +251,7 @@ class StepGraphs:
         self._body(e, key)
         e.graph = self._capture(e, key)
         self.captures += 1
+        return True
 
     def _out(self, key: Key, n: int) -> torch.Tensor:
         """The graph's results as bytes: token errors [2, n] fp32, then moved flags [cap_w]."""

@@ -205,3 +205,21 @@ def test_trace_writer_script_takes_the_flag_on_either_side(tmp_path: Path,
                    check=True, capture_output=True, cwd=tmp_path)
     assert (tmp_path / "t" / "big_verify" / "manifest.json").is_file()
     assert not (tmp_path / "--big").exists()
+
+
+@pytest.mark.parametrize("name", ["clean_mtp", "clean_mtp_xqa"])
+def test_only_xqa_steps_carry_a_block_table(tmp_path: Path, name: str) -> None:
+    """XQA reads the block table (each row's pages, padded with -1 -> the guard page); the other
+    backends get an empty one instead of every row's pages flattened a second time."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    for s in t.steps:
+        if not t.rows[s.step]:
+            continue
+        rows = t.rows[s.step]
+        bt = build_step(s, rows, t.model.page_size, 16).block_table
+        if s.backend != "xqa":
+            assert bt.shape == (len(rows), 0)
+            continue
+        assert bt.shape == (len(rows), max(len(r.pages) for r in rows))
+        for r, line in zip(rows, bt.tolist(), strict=True):
+            assert line == [p + 16 for p in r.pages] + [15] * (bt.shape[1] - len(r.pages))

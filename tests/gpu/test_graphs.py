@@ -3,6 +3,9 @@ written inside a graph is found as one written by an eager step."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +76,6 @@ def test_a_page_written_inside_a_graph_is_found(tmp_path: Path,
 
 
 def test_cli_eager_turns_the_graphs_off(tmp_path: Path) -> None:
-    import json
-    import subprocess
-    import sys
-
     trace = SCENARIOS["clean_mtp"](tmp_path / "t")
     out = {}
     for flag in ("", "--eager"):

@@ -16,13 +16,15 @@ Per step k:
 
 Everything that depends on the trace alone is built ahead on the host (`prepare`) and uploaded a
 chunk of steps at a time, so a step only queues device work: no numpy, no host-device syncs. The
-device's per-token errors and moved pages are read back every FLUSH steps (or FLUSH_TOKENS
-query tokens, whichever comes first) and turned into
-verdicts on the host (`oracle.verdicts`).
+device's per-token errors and moved pages are copied back every EARLY steps, behind those steps'
+work, and turned into verdicts on the host (`oracle.verdicts`) once they have arrived, while the
+device runs the steps after them. The host waits for all of it every FLUSH steps, after FLUSH_TOKENS
+query tokens (a long prompt step) and at the end.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -49,7 +51,10 @@ from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
 from sim.trace.records import RowRecord
 
 GUARD_PAGES = 16
-FLUSH = 256  # steps between read-backs of the verdict data (one host-device sync each)
+EARLY = 8  # steps per read-back of the verdict data: queued behind them, no wait (read back
+# only every FLUSH steps, a 96-step replay at batch 64 x kv 2k spent ~10 ms of host on its
+# verdicts after the device had finished: a fifth of its wall on the H200)
+FLUSH = 256  # steps between waits for every read-back (one host-device sync each)
 # ... or query tokens: a long prompt step's verdicts (numpy over each token) are then computed
 # right after it, not inside the next 255 steps (bench/gpu_replay.py times those: at batch 64 x
 # kv 8,192 the prompt step's 524k tokens cost ~20 ms of host inside the 12 steps it timed)
@@ -166,7 +171,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
                       free=list(range(slots))[::-1], graphs=graphs is not None)
     res = ReplayResult(kernels.name, str(trace.path), tol)
     pending: list[Pending] = []
-    tokens = 0
+    sent: deque[Sent] = deque()
+    tokens = since = 0
     res.watch = watch.name
     steps = prepared_steps(trace, state, device)
     nxt = next(steps, None)
@@ -177,9 +183,17 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
         pending.append(_graph_step(graphs, pool, p, nxt, watch)
                        or _eager_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
         tokens += p.b.num_tokens
-        if len(pending) >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None:
-            _flush(res, pending, watch)
-            tokens = 0
+        since += 1
+        settle = since >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None
+        if settle or len(pending) >= EARLY:
+            sent.append(_send(pending))
+        if graphs is not None and nxt is not None:
+            graphs.ahead(nxt)  # while the device runs p (and a settle below waits for it)
+        if settle:
+            _settle(res, sent, watch)
+            tokens = since = 0
+        else:
+            _drain(res, sent, watch)
         if on_step:
             on_step(p.step.step, "done")
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
@@ -287,18 +301,62 @@ def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int
     return kv, q, tq
 
 
-def _flush(res: ReplayResult, pending: list[Pending], watch: Watch) -> None:
-    """Read the pending steps' device data back (one sync) and append their rows' verdicts.
-    Raises Unseen if the incremental watch saw a page change outside the steps' targets."""
-    toks_d = [x.tok for x in pending if x.tok is not None]
-    moved_d = [x.changed for x in pending if x.changed is not None]
+@dataclass
+class Sent:
+    """Pending steps whose device data is on its way to the host: per-token errors and moved
+    pages concatenated over the steps, copied into pinned memory behind the steps' work;
+    `ready` fires when the copies are done (None: the data is already on the host)."""
+    steps: list[Pending]
+    toks: torch.Tensor | None
+    moved: torch.Tensor | None
+    ready: torch.cuda.Event | None
+
+
+def _send(pending: list[Pending]) -> Sent:
+    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
+    toks = [x.tok for x in pending if x.tok is not None]
+    moved = [x.changed for x in pending if x.changed is not None]
+    out = Sent(list(pending), _to_host(torch.cat(toks, 1)) if toks else None,
+               _to_host(torch.cat(moved)) if moved else None, None)
+    if any(x is not None and x.is_pinned() for x in (out.toks, out.moved)):
+        out.ready = torch.cuda.Event()
+        out.ready.record()
+    pending.clear()
+    return out
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)
+
+
+def _drain(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
+    """The verdicts of the read-backs that have arrived, oldest first (no wait)."""
+    while sent and (sent[0].ready is None or sent[0].ready.query()):
+        _verdicts(res, sent.popleft(), watch)
+
+
+def _settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
+    """Wait for every read-back (one sync) and append their verdicts. Raises Unseen if the
+    incremental watch saw a page change outside the steps' targets."""
     flag = watch.stale()
     if flag is not None and int(flag.item()):
         raise Unseen("a page changed outside the steps' target pages")
-    toks = torch.cat(toks_d, 1).cpu().numpy() if toks_d else None
-    moved = torch.cat(moved_d).cpu().numpy() if moved_d else None
+    while sent:
+        s = sent.popleft()
+        if s.ready is not None:
+            s.ready.synchronize()
+        _verdicts(res, s, watch)
+
+
+def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
+    """Append the rows' verdicts of the steps of one read-back."""
+    toks = s.toks.numpy() if s.toks is not None else None
+    moved = s.moved.numpy() if s.moved is not None else None
     off = at = 0
-    for x in pending:
+    for x in s.steps:
         b, rows = x.p.b, x.p.rows
         if x.tok is None or x.changed is None:
             code = np.full(b.num_rows, FAULT)
@@ -313,7 +371,6 @@ def _flush(res: ReplayResult, pending: list[Pending], watch: Watch) -> None:
         for r, c, e in zip(rows, code.tolist(), err.tolist(), strict=True):
             res.rows.append(RowResult(r.step, r.row, r.request, r.phase, r.q_len, VERDICTS[c],
                                       float(e), x.fault if c == FAULT else ""))
-    pending.clear()
 
 
 def max_ok_error(res: ReplayResult) -> float:

@@ -189,6 +189,7 @@ class StepGraphs:
                 del self.entries[key]  # FlashInfer's checks refused the step: eager reports it
                 self.fallbacks += 1
                 return None
+            self.captures += 1
         elif self._plan(e, p):
             assert e.graph is not None
             e.graph.replay()
@@ -220,11 +221,40 @@ class StepGraphs:
             paged_kv_last_page_len_buf=v["last_page_len"], backend="fa2")
         return _Entry(g64, g32, v, w)
 
+    def ahead(self, p: Any) -> None:
+        """Capture the graph of step p's key now, if it has none, without running anything: the
+        driver calls this once the step before p is queued, so the host captures while the
+        device still works (after the prompts' prefill, its whole step), and p replays the
+        graph as any later step does. If FlashInfer's plan() or the capture refuses, nothing is
+        kept: p takes the `_first` way (plan, eager, capture) or runs eagerly."""
+        key = p.graph
+        if key is None or key in self.entries:
+            return
+        e = self._entry(key)
+        if not self._plan_first(e, p, key):
+            return
+        try:
+            e.graph = self._capture(e, key)
+        except RuntimeError:
+            return
+        self.entries[key] = e
+        self.captures += 1
+
     def _first(self, e: _Entry, p: Any, key: Key) -> bool:
-        """A key's first step: planned through FlashInfer's Python plan() (its checks, once),
-        run eagerly over the static buffers (this step's result, and the warm-up every capture
-        needs), then captured for the steps after it. False if plan() refused the step (nothing
-        ran: the eager step reports it)."""
+        """A key's first step when `ahead` did not capture it: planned, run eagerly over the
+        static buffers (this step's result, and the warm-up of every kernel the capture then
+        records), then captured for the steps after it. False if plan() refused the step
+        (nothing ran: the eager step reports it)."""
+        if not self._plan_first(e, p, key):
+            return False
+        self._body(e, key)
+        e.graph = self._capture(e, key)
+        return True
+
+    def _plan_first(self, e: _Entry, p: Any, key: Key) -> bool:
+        """Plan step p through FlashInfer's Python plan() (its checks, once per key) and keep
+        what `_plan` needs to re-plan later steps: the C++ planner's arguments, the plan info
+        to compare with, the ring of pinned buffers. False if plan() refused the step."""
         b, dv, m = p.b, p.dv, self.pool.data
         hkv, d = int(m.shape[3]), int(m.shape[4])
         w = e.wrapper
@@ -248,9 +278,6 @@ class StepGraphs:
                        None, w._max_total_num_rows, key[0], self.hq, hkv, b.page_size, True, d,
                        d, True, -1, -1, False, 0, key[1]]
         e.out = self._out(key, b.num_tokens)
-        self._body(e, key)
-        e.graph = self._capture(e, key)
-        self.captures += 1
         return True
 
     def _out(self, key: Key, n: int) -> torch.Tensor:

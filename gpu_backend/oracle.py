@@ -3,8 +3,8 @@ and the per-row verdicts (DESIGN §6).
 
 Verdicts, most severe first: fault > corrupt > nan > mismatch > ok. The device keeps, per step,
 only what the verdicts need (per-token max error and NaN flags, the pages whose checksum moved);
-`verdicts` turns them into codes on the host when the replay reads them back (every
-`driver.FLUSH` steps or `FLUSH_TOKENS` tokens), so no step waits for the device.
+`verdicts` turns them into codes on the host once the replay's read-back has arrived (queued
+every `driver.EARLY` steps), so no step waits for the device.
 """
 
 from __future__ import annotations

@@ -36,8 +36,10 @@ def _trace(tmp: Path, name: str) -> TraceData:
     return load_trace(SCENARIOS[name](tmp / name))
 
 
+# a key's graph is captured while the step before it runs (`StepGraphs.ahead`): its first step
+# replays it too
 @pytest.mark.parametrize(("name", "captures", "replays"), [
-    ("clean_mtp", 1, 5), ("overlap_uncorrected", 1, 0), ("big_verify", 1, 5),
+    ("clean_mtp", 1, 6), ("overlap_uncorrected", 1, 1), ("big_verify", 1, 6),
     ("append_past_alloc", 0, 0)])
 def test_graphs_give_the_eager_rows(tmp_path: Path, name: str, captures: int,
                                     replays: int) -> None:
@@ -72,7 +74,7 @@ def test_a_page_written_inside_a_graph_is_found(tmp_path: Path,
     assert got.watch.startswith("full (incremental found a page changed outside")
     assert _rows(got) == _rows(want)
     assert {r.verdict for r in got.rows if r.step == 1} == {"corrupt"}
-    assert got.stats["graph_replays"] == 5
+    assert got.stats["graph_replays"] == 6
 
 
 def test_cli_eager_turns_the_graphs_off(tmp_path: Path) -> None:
@@ -86,6 +88,29 @@ def test_cli_eager_turns_the_graphs_off(tmp_path: Path) -> None:
                            cwd=Path(__file__).resolve().parents[2])
         assert p.returncode == 0, p.stdout + p.stderr
         out[flag] = json.loads(js.read_text())
-    assert out[""]["stats"]["graph_replays"] == 5
+    assert out[""]["stats"]["graph_replays"] == 6
     assert "graph_replays" not in out["--eager"]["stats"]
     assert [r["verdict"] for r in out[""]["rows"]] == [r["verdict"] for r in out["--eager"]["rows"]]
+
+
+def test_a_capture_refused_ahead_runs_the_first_step_eagerly(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """If the capture ahead of a key's first step fails, that step plans, runs eagerly and
+    captures (`StepGraphs._first`): the same rows, one graph, one replay fewer."""
+    trace = _trace(tmp_path, "clean_mtp")
+    capture, calls = StepGraphs._capture, []
+
+    def refuse_once(self: StepGraphs, *a: Any) -> Any:
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return capture(self, *a)
+
+    monkeypatch.setattr(StepGraphs, "_capture", refuse_once)
+    got = replay(trace, _fi(trace, True), "cuda")
+    want = replay(trace, _fi(trace, False), "cuda")
+    assert _rows(got) == _rows(want)
+    assert len(calls) == 2
+    assert (got.stats["graph_captures"], got.stats["graph_replays"],
+            got.stats["eager_fallbacks"]) == (1, 5, 0)

@@ -50,13 +50,17 @@ def test_a_page_changed_where_no_append_aimed_is_found_and_replayed_in_full(
     assert {r.verdict for r in full.rows if r.step == at[0]} == {"corrupt"}
 
 
+@pytest.mark.parametrize("every", [{"FLUSH_TOKENS": 1}, {"EARLY": 1},
+                                   {"EARLY": 3, "FLUSH": 5}])
 @pytest.mark.parametrize("case", [None, *CASES])
 def test_read_backs_after_every_step_change_nothing(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
-                                                   case: str | None) -> None:
-    """The driver reads verdict data back every FLUSH steps or FLUSH_TOKENS query tokens (a
-    long prompt step alone): wherever the read-backs fall, the same rows, and a stray write
-    still sends the replay to the full watch."""
+                                                   case: str | None,
+                                                   every: dict[str, int]) -> None:
+    """The driver reads verdict data back every EARLY steps and waits for all of it every FLUSH
+    steps or FLUSH_TOKENS query tokens (a long prompt step alone): wherever the read-backs and
+    the waits fall, the same rows in the same order, and a stray write still sends the replay
+    to the full watch."""
     trace, at = (load_trace(SCENARIOS["append_past_alloc"](tmp_path / "t")), None) \
         if case is None else find_case(tmp_path, case)
     m = trace.model
@@ -66,6 +70,7 @@ def test_read_backs_after_every_step_change_nothing(tmp_path: Path,
         return k if at is None else Stray(k, *at)
 
     want = _replay(trace, "incremental", kernels())
-    monkeypatch.setattr(driver, "FLUSH_TOKENS", 1)
+    for name, n in every.items():
+        monkeypatch.setattr(driver, name, n)
     got = _replay(trace, "incremental", kernels())
     assert _rows(got) == _rows(want) and got.watch == want.watch

@@ -8,11 +8,12 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - wall (two passes, `wall_ms_per_step` and `repeat`): the whole replay step (content, truth,
   kernels, checksums, fp32 reference, per-token errors), from a device sync before the first
   generation step to one after the last, divided by the step count; no events, no spins. The
-  first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`), which
-  runs ahead of the steps: it is reported beside (`prepare_ms_per_step`, `ratio_incl_prepare`).
-  A trace longer than one upload chunk (`prepare.CHUNK_WORDS`) prepares its later chunks inside
-  the timed steps: `prepare_in_wall_ms_per_step` is that time and `ratio_excl_prepare` the ratio
-  without it (the same as `ratio` when the trace fits one chunk).
+  first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`) of
+  the first upload chunk (the prompt step and the steps after it up to `prepare.CHUNK_STEPS`),
+  done before it. Every later step is prepared inside the timed steps, a step at a time between
+  them, one chunk ahead (`prepare_in_wall_ms_per_step`; `ratio_excl_prepare` takes that time out,
+  which overstates what it costs where it overlaps the device's work). Until 2026-12-01 a chunk
+  was 4M words, the benchmark traces fit one, and the whole preparation came before the wall.
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
@@ -25,9 +26,10 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - --phases: one more pass with perf_counter_ns around each phase of the generation steps
   (events, content, append, plan, run, reference, errors, checksums, the loop between steps):
   host µs per step, inclusive (`phases_us_per_step`). The timers cost ~1 µs a phase.
-- prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`), done ahead of
-  the steps and not in the wall: `prepare_gen_ms_per_step` over the generation steps and
-  `ratio_gen_incl_prepare` = (wall + that) / kernels, the end-to-end ratio of a long replay.
+- prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`):
+  `prepare_gen_ms_per_step` over the generation steps, and `ratio_gen_incl_prepare` = (wall +
+  the generation steps' preparation done before the wall) / kernels, the generation steps'
+  end-to-end ratio.
 - --watch incremental|full: the replay's page watch (`gpu_backend/watch.py`; default
   incremental): full sums the whole pool every step, a third of a device-bound step.
 - --device-time: one more pass under the torch profiler (CUDA activity only): device µs per
@@ -76,9 +78,9 @@ def wall_pass(trace: TraceData, first: int, last: int
     """(ms per step from `first` to `last`, ms per step the host waited for the device inside
     those steps, ms per step of host preparation inside them, result) of one untimed replay.
     The wait is the time the host sat in FlashInfer-plan fences (the only waits in a step):
-    wall - wait is the host's own time. Preparation runs a chunk of steps ahead
-    (`prepare.CHUNK_WORDS`): a trace longer than a chunk prepares its later chunks inside the
-    timed steps, and that time is counted here to be taken out (`wall_excl_prepare`)."""
+    wall - wait is the host's own time. Preparation runs one chunk of steps ahead
+    (`prepare.prepared_steps`): every step after the first chunk is prepared inside the timed
+    steps, and that time is counted here (`prepare_in_wall_ms_per_step`)."""
     marks: dict[str, float] = {}
     prep = {"on": 0.0, "s": 0.0}
     k = _kernels(trace)
@@ -270,6 +272,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     prep = res.prepare_s * 1e3 / max(len({r.step for r in res.rows}), 1)  # all steps
     gen = [v for k, v in res.prepare_step_s.items() if k >= first]
     prep_gen = sum(gen) * 1e3 / max(len(gen), 1)
+    n = max(len(gen), 1)
+    prep_before = max(sum(gen) * 1e3 - pin * n, 0.0) / n  # the gen steps' share outside the wall
     rows = [r for r in res.rows if r.step >= first]
     out = {"trace": str(path), "steps": len(ms), "batch": len(trace.rows[first]),
            "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
@@ -277,9 +281,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
            "kernel_ms_per_step": kern, "ratio": wall / kern,
            "prepare_in_wall_ms_per_step": pin, "ratio_excl_prepare": (wall - pin) / kern,
            "prepare_ms_per_step": prep,
-           "ratio_incl_prepare": (wall + prep) / kern,
            "prepare_gen_ms_per_step": prep_gen,
-           "ratio_gen_incl_prepare": (wall + prep_gen) / kern, "counts": res.counts(),
+           "ratio_gen_incl_prepare": (wall + prep_before) / kern, "counts": res.counts(),
            "max_ok_err": max_ok_error(res), "rows_checked": len(rows), "watch_used": res.watch,
            "graphs": {k: v for k, v in res.stats.items() if "graph" in k or "eager" in k},
            "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,

@@ -75,7 +75,8 @@ class StepBatch:
         return int(self.tokens.shape[0])
 
 
-def _flat_indices(rows: list[RowRecord], backend: str) -> tuple[np.ndarray, np.ndarray]:
+def _flat_indices(rows: list[RowRecord], backend: str,
+                  pages: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """The engine's flat kv_indices and indptr. For xqa the CSR is the block table's rows laid end
     to end (row r at r * width), which is how an append addresses a block table."""
     if backend == "xqa":
@@ -86,7 +87,7 @@ def _flat_indices(rows: list[RowRecord], backend: str) -> tuple[np.ndarray, np.n
         return np.arange(len(rows) + 1, dtype=np.int64) * width, ind
     # Same flat array as sim.check.access: the rows' pages end to end, indptr from the trace.
     starts = np.array([r.kv_indptr for r in rows], dtype=np.int64)
-    ind = _flat(r.pages for r in rows)
+    ind = _flat(r.pages for r in rows) if pages is None else pages
     end = starts[-1] + len(rows[-1].pages) if rows else 0
     return np.append(starts, end), ind
 
@@ -128,14 +129,14 @@ def _block_table(rows: list[RowRecord], guard: int) -> np.ndarray:
 
 
 def _truth_writes(rows: list[RowRecord], B: int, guard: int, row_of_token: np.ndarray,
-                  true_pos: np.ndarray, eng: np.ndarray,
-                  shared: np.ndarray) -> tuple[np.ndarray, ...]:
+                  true_pos: np.ndarray, eng: np.ndarray, shared: np.ndarray,
+                  flat_alloc: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """(allowed pages, write_ok per token, rejected-draft pages, slots), all from the truth:
     token t of row r writes true position committed_r + j into alloc_r[pos // B]; the row may
     write that block unless it is one of its shared prefix blocks."""
     n_alloc = np.array([len(r.alloc) for r in rows], dtype=np.int64)
     ptr = np.concatenate([[0], np.cumsum(n_alloc)])
-    alloc = _flat((r.alloc for r in rows), int(ptr[-1]))
+    alloc = _flat((r.alloc for r in rows), int(ptr[-1])) if flat_alloc is None else flat_alloc
     lead = np.array([r.shared_blocks for r in rows], dtype=np.int64)
     blk = true_pos // B
     has = blk < n_alloc[row_of_token]
@@ -158,10 +159,13 @@ def _truth_writes(rows: list[RowRecord], B: int, guard: int, row_of_token: np.nd
 
 
 def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: int,
-               shared: np.ndarray | None = None) -> StepBatch:
+               shared: np.ndarray | None = None,
+               lists: dict[str, np.ndarray] | None = None) -> StepBatch:
     """Flatten one step. `shared`: engine ids of blocks with more than one holder (from the
-    block events): no row may write them, whatever its `shared_blocks` says.
+    block events): no row may write them, whatever its `shared_blocks` says. `lists`: the rows'
+    pages and alloc end to end (`TraceData.lists`), else flattened from the rows' tuples.
     Raises TraceError when a row contradicts itself (list lengths)."""
+    lists = lists if lists is not None and _fits(rows, lists) else {}
     for r in rows:  # a device-ahead row appends more K/V than it has queries
         if not (len(r.rope_pos) == r.q_len <= len(r.append_pos) == len(r.tokens)):
             raise TraceError(f"step {r.step} row {r.row}: tokens/append_pos/rope_pos lengths "
@@ -169,7 +173,7 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
                              f"q_len {r.q_len}")
     q_len = np.array([r.q_len for r in rows], dtype=np.int64)
     qo = np.concatenate([[0], np.cumsum(q_len)]).astype(I32)
-    indptr, ind = _flat_indices(rows, step.backend)
+    indptr, ind = _flat_indices(rows, step.backend, lists.get("pages"))
     ind = np.concatenate([ind, np.full(TAIL, -1, dtype=np.int64)])
     row_of_token = np.repeat(np.arange(len(rows)), q_len).astype(I32)
     a_len = np.array([len(r.append_pos) for r in rows], dtype=np.int64)
@@ -187,7 +191,7 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
     eng = eng.astype(np.int64)
     allowed, write_ok, rej_p, rej_s = _truth_writes(
         rows, page_size, guard, app_row, np.repeat(committed, a_len) + j_app, eng,
-        np.zeros(0, np.int64) if shared is None else shared)
+        np.zeros(0, np.int64) if shared is None else shared, lists.get("alloc"))
     toks = np.concatenate([list(r.tokens) for r in rows] or [[]]).astype(np.int64)
     # K of the extra (device-ahead) appends is built at their append position
     app_rope = np.concatenate([list(r.rope_pos) + list(r.append_pos[r.q_len:])
@@ -217,6 +221,12 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
         xqa_last_page_len=xl.astype(I32),
         reject_page=rej_p, reject_slot=rej_s,
         runs=tuple(_runs([r.phase == "ctx" for r in rows], q_len.tolist())))
+
+
+def _fits(rows: list[RowRecord], lists: dict[str, np.ndarray]) -> bool:
+    """The lists hold as many entries as the rows' tuples (a trace's rows are never edited
+    after loading; this keeps a caller's edited rows from pairing with stale lists)."""
+    return all(len(lists[k]) == sum(len(getattr(r, k)) for r in rows) for k in lists)
 
 
 def launch_runs(b: StepBatch) -> list[tuple[int, int, str]]:

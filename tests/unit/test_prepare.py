@@ -1,0 +1,107 @@
+"""gpu_backend/prepare.py: steps are prepared one chunk ahead of the steps handed out, a step at
+a time, and how the steps fall into chunks changes nothing the replay sees; the page lists come
+from the trace's Arrow columns and flatten as the rows' tuples do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from replay_traces import SCENARIOS, big_verify
+
+from gpu_backend import prepare
+from gpu_backend.driver import GUARD_PAGES, replay
+from gpu_backend.layout import build_step
+from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
+from gpu_backend.reference import ReferenceKernels
+from gpu_backend.tracedata import TraceData, load_trace
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory: pytest.TempPathFactory) -> TraceData:
+    return load_trace(big_verify(tmp_path_factory.mktemp("p") / "big", batch=8, kv=256, steps=9))
+
+
+def _state(trace: TraceData) -> HostState:
+    slots, _, last = truth_shape(trace)
+    return HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                     free=list(range(slots))[::-1], graphs=True)
+
+
+def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first chunk is prepared whole; after it, one step of the next chunk is prepared
+    before each step is handed out, and the last chunk's steps follow once all are prepared."""
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 3)
+    made: list[int] = []
+    real = prepare._prepare
+
+    def counted(*a: Any) -> Prepared:
+        made.append(a[1].step)
+        return real(*a)
+
+    monkeypatch.setattr(prepare, "_prepare", counted)
+    seen = [len(made) for _ in prepared_steps(trace, _state(trace), "cpu")]
+    n = len(trace.steps)
+    assert n == 10 and seen == [min(3 + i, n) for i in range(n)]
+
+
+def _arrays(p: Prepared) -> dict[str, np.ndarray]:
+    return {k: p.dv[k].numpy().copy() for k in p.dv}
+
+
+def test_the_chunking_changes_no_array(trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> None:
+    want = [(p.b.step, p.graph, _arrays(p)) for p in prepared_steps(trace, _state(trace), "cpu")]
+    for steps in (1, 4):
+        monkeypatch.setattr(prepare, "CHUNK_STEPS", steps)
+        got = [(p.b.step, p.graph, _arrays(p))
+               for p in prepared_steps(trace, _state(trace), "cpu")]
+        assert [g[:2] for g in got] == [w[:2] for w in want]
+        for (_, _, a), (_, _, b) in zip(got, want, strict=True):
+            assert a.keys() == b.keys()
+            assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("name", ["append_past_alloc", "clean_mtp", "overlap_uncorrected"])
+def test_the_chunking_changes_no_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         name: str) -> None:
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    m = t.model
+
+    def rows() -> list[tuple[Any, ...]]:
+        res = replay(t, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
+        return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows]
+
+    want = rows()
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 1)
+    assert rows() == want
+
+
+def _batches_equal(a: Any, b: Any) -> bool:
+    return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+               for x, y in zip(vars(a).values(), vars(b).values(), strict=True))
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_arrow_lists_flatten_as_the_rows_tuples(tmp_path: Path, name: str) -> None:
+    """`TraceData.lists` (from the Arrow columns) hold the rows' pages and alloc end to end:
+    every step flattens to the same batch with them as from the tuples."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    for s in t.steps:
+        rows = t.rows[s.step]
+        for k in ("pages", "alloc"):
+            assert t.lists[s.step][k].tolist() == [x for r in rows for x in getattr(r, k)]
+        if rows:
+            fast = build_step(s, rows, t.model.page_size, 16, lists=t.lists[s.step])
+            assert _batches_equal(fast, build_step(s, rows, t.model.page_size, 16))
+
+
+def test_lists_that_do_not_fit_the_rows_are_not_used(tmp_path: Path) -> None:
+    t = load_trace(SCENARIOS["clean_mtp"](tmp_path / "t"))
+    s = t.steps[2]
+    rows = t.rows[s.step]
+    short = {k: v[:-1] for k, v in t.lists[s.step].items()}
+    assert _batches_equal(build_step(s, rows, t.model.page_size, 16, lists=short),
+                          build_step(s, rows, t.model.page_size, 16))

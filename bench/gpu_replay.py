@@ -8,12 +8,16 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - wall (two passes, `wall_ms_per_step` and `repeat`): the whole replay step (content, truth,
   kernels, checksums, fp32 reference, per-token errors), from a device sync before the first
   generation step to one after the last, divided by the step count; no events, no spins. The
-  first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`) of
-  the first upload chunk (the prompt step and the steps after it up to `prepare.CHUNK_STEPS`),
-  done before it. Every later step is prepared inside the timed steps, a step at a time between
-  them, one chunk ahead (`prepare_in_wall_ms_per_step`; `ratio_excl_prepare` takes that time out,
-  which overstates what it costs where it overlaps the device's work). Until 2026-12-01 a chunk
-  was 4M words, the benchmark traces fit one, and the whole preparation came before the wall.
+  first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`):
+  these passes prepare every step before the first (chunks of `prepare.CHUNK_WORDS` only, as
+  the replay did until 2026-12-01), so `ratio` is the replay loop's own, comparable across
+  rounds. A trace longer than one such chunk prepares its later chunks inside the timed steps:
+  `prepare_in_wall_ms_per_step` is that time, `ratio_excl_prepare` the ratio without it.
+- pipelined (one more pass, the replay's default): every step after the first chunk of
+  `prepare.CHUNK_STEPS` is prepared inside the timed steps, a step at a time between them
+  (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
+  generation steps' preparation done before it) / kernels: what a user's replay of the
+  generation steps costs, preparation included.
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
@@ -28,8 +32,8 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   host µs per step, inclusive (`phases_us_per_step`). The timers cost ~1 µs a phase.
 - prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`):
   `prepare_gen_ms_per_step` over the generation steps, and `ratio_gen_incl_prepare` = (wall +
-  the generation steps' preparation done before the wall) / kernels, the generation steps'
-  end-to-end ratio.
+  the generation steps' preparation done before the wall) / kernels: the end-to-end ratio when
+  the whole preparation comes first (to compare with `pipelined.ratio_end_to_end`).
 - --watch incremental|full: the replay's page watch (`gpu_backend/watch.py`; default
   incremental): full sums the whole pool every step, a third of a device-bound step.
 - --device-time: one more pass under the torch profiler (CUDA activity only): device µs per
@@ -59,7 +63,7 @@ from typing import Any
 
 import torch
 
-from gpu_backend import driver
+from gpu_backend import driver, prepare
 from gpu_backend.calibrate import meta
 from gpu_backend.driver import ReplayResult, max_ok_error, replay
 from gpu_backend.replay import FlashInferKernels
@@ -73,14 +77,14 @@ def _kernels(trace: TraceData, timing: bool = False) -> FlashInferKernels:
     return FlashInferKernels(trace.model.num_q_heads, "cuda", timing=timing, graphs=GRAPHS[0])
 
 
-def wall_pass(trace: TraceData, first: int, last: int
+def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
               ) -> tuple[float, float, float, ReplayResult]:
     """(ms per step from `first` to `last`, ms per step the host waited for the device inside
     those steps, ms per step of host preparation inside them, result) of one untimed replay.
     The wait is the time the host sat in FlashInfer-plan fences (the only waits in a step):
-    wall - wait is the host's own time. Preparation runs one chunk of steps ahead
-    (`prepare.prepared_steps`): every step after the first chunk is prepared inside the timed
-    steps, and that time is counted here (`prepare_in_wall_ms_per_step`)."""
+    wall - wait is the host's own time. ahead: every step prepared before the first, in
+    chunks of `prepare.CHUNK_WORDS` only; else one chunk of `prepare.CHUNK_STEPS` ahead, the
+    later steps between the timed ones. Preparation inside the timed steps is counted here."""
     marks: dict[str, float] = {}
     prep = {"on": 0.0, "s": 0.0}
     k = _kernels(trace)
@@ -104,10 +108,13 @@ def wall_pass(trace: TraceData, first: int, last: int
             prep["on"] = float(what == "start")
 
     driver.prepared_steps = timed_steps  # type: ignore[assignment]
+    chunk = prepare.CHUNK_STEPS
+    prepare.CHUNK_STEPS = 1 << 30 if ahead else chunk
     try:
         res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
     finally:
         driver.prepared_steps = real  # type: ignore[assignment]
+        prepare.CHUNK_STEPS = chunk
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
             (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res)
@@ -263,6 +270,7 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
            watch=WATCH[0])  # JIT, warm-up
     wall, wait, pin, res = wall_pass(trace, first, last)
     wall2, wait2, pin2, res2 = wall_pass(trace, first, last)
+    wall_p, _, pin_p, res_p = wall_pass(trace, first, last, ahead=False)
     ms = kernel_pass(trace)
     ph = phases_pass(trace, first, last) if phases else None
     dev = device_pass(trace, first, last) if device else None
@@ -272,8 +280,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     prep = res.prepare_s * 1e3 / max(len({r.step for r in res.rows}), 1)  # all steps
     gen = [v for k, v in res.prepare_step_s.items() if k >= first]
     prep_gen = sum(gen) * 1e3 / max(len(gen), 1)
-    n = max(len(gen), 1)
-    prep_before = max(sum(gen) * 1e3 - pin * n, 0.0) / n  # the gen steps' share outside the wall
+    gen_p = [v for k, v in res_p.prepare_step_s.items() if k >= first]
+    before_p = max(sum(gen_p) * 1e3 / max(len(gen_p), 1) - pin_p, 0.0)  # ahead of the wall
     rows = [r for r in res.rows if r.step >= first]
     out = {"trace": str(path), "steps": len(ms), "batch": len(trace.rows[first]),
            "kv_len_max": max(r.kv_len for r in trace.rows[last]), "wall_ms_per_step": wall,
@@ -282,7 +290,13 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
            "prepare_in_wall_ms_per_step": pin, "ratio_excl_prepare": (wall - pin) / kern,
            "prepare_ms_per_step": prep,
            "prepare_gen_ms_per_step": prep_gen,
-           "ratio_gen_incl_prepare": (wall + prep_before) / kern, "counts": res.counts(),
+           "ratio_gen_incl_prepare": (wall + max(prep_gen - pin, 0.0)) / kern,
+           "pipelined": {"wall_ms_per_step": wall_p, "prepare_in_wall_ms_per_step": pin_p,
+                         "prepare_gen_ms_per_step": before_p + pin_p,
+                         "ratio_end_to_end": (wall_p + before_p) / kern,
+                         "same_verdicts": [r.verdict for r in res.rows] ==
+                         [r.verdict for r in res_p.rows]},
+           "counts": res.counts(),
            "max_ok_err": max_ok_error(res), "rows_checked": len(rows), "watch_used": res.watch,
            "graphs": {k: v for k, v in res.stats.items() if "graph" in k or "eager" in k},
            "repeat": {"wall_ms_per_step": wall2, "host_wait_ms_per_step": wait2,
@@ -312,8 +326,9 @@ def sweep(sizes: str, work: Path, device: bool = False, steps: int = 12
         r = measure(path, device=device)
         print(f"batch {batch:4d} kv {kv:6d}: wall {r['wall_ms_per_step']:.3f} ms/step, kernels "
               f"{r['kernel_ms_per_step']:.3f}, ratio {r['ratio']:.2f}x "
-              f"(repeat {r['repeat']['ratio']:.2f}x), with prepare "
-              f"{r['ratio_gen_incl_prepare']:.2f}x, {r['counts']}", flush=True)
+              f"(repeat {r['repeat']['ratio']:.2f}x), end to end with preparation "
+              f"{r['pipelined']['ratio_end_to_end']:.2f}x pipelined, "
+              f"{r['ratio_gen_incl_prepare']:.2f}x all ahead, {r['counts']}", flush=True)
         out.append({"batch": batch, "kv": kv} | r)
         torch.cuda.empty_cache()
     return out

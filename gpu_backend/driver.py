@@ -364,7 +364,8 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
         else:
             assert toks is not None and moved is not None
             n = int(x.changed.numel())
-            changed = watch.changed_pages(x.p, moved[at: at + n])
+            m = moved[at: at + n]
+            changed = watch.changed_pages(x.p, m) if m.any() else None  # None: nothing moved
             code, err = verdicts(b, toks[:, off: off + b.num_tokens], changed, res.tol)
             off += b.num_tokens
             at += n

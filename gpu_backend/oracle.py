@@ -134,12 +134,12 @@ def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.stack([err, ref.flatten(1).amax(1)])
 
 
-def verdicts(b: StepBatch, tok: np.ndarray, changed: np.ndarray, tol: float
+def verdicts(b: StepBatch, tok: np.ndarray, changed: np.ndarray | None, tol: float
              ) -> tuple[np.ndarray, np.ndarray]:
     """Per-row verdict codes and max |out - ref| over NaN-free tokens, on the host.
 
     Args: tok [2, nnz_q] from `token_errors`; changed [pages] bool, pages whose checksum moved
-    during the step."""
+    during the step, or None: no page moved (the usual step: nothing of the blame is needed)."""
     err, ref_max = tok[0], tok[1]
     tok_nan = np.isnan(err) & ~np.isnan(ref_max)  # out has a NaN where the reference has none
     err = np.nan_to_num(err.astype(np.float32), nan=0.0)
@@ -147,6 +147,10 @@ def verdicts(b: StepBatch, tok: np.ndarray, changed: np.ndarray, tol: float
     row_err = np.zeros(b.num_rows, dtype=np.float32)
     np.maximum.at(row_err, row, err)
     row_nan = np.bincount(row, weights=tok_nan, minlength=b.num_rows) > 0
+    code = np.where(row_err > tol, MISMATCH, OK)
+    code = np.where(row_nan, NAN, code)
+    if changed is None:
+        return code, row_err
     allowed = np.zeros_like(changed)
     allowed[b.allowed_pages] = True
     bad = changed & ~allowed
@@ -158,7 +162,5 @@ def verdicts(b: StepBatch, tok: np.ndarray, changed: np.ndarray, tol: float
     hit = ((changed[ewc] & ~b.write_ok) | bad[ewc]) & seen
     row_bad = np.bincount(b.app_row, weights=hit, minlength=b.num_rows) > 0
     row_bad |= bad.any() & ~row_bad.any()
-    code = np.where(row_err > tol, MISMATCH, OK)
-    code = np.where(row_nan, NAN, code)
     code = np.where(row_bad, CORRUPT, code)
     return code, row_err

@@ -17,7 +17,7 @@ from replay_traces import EXPECTED, SCENARIOS, _two
 
 from gpu_backend.isolate import replay_isolated
 from gpu_backend.layout import build_step, launch_runs, stale_plan
-from gpu_backend.oracle import DEFAULT_TOL
+from gpu_backend.oracle import DEFAULT_TOL, MISMATCH, NAN, OK, verdicts
 from gpu_backend.pool import KVPool, content, content_blocks, mod_m
 from gpu_backend.run import run_replay
 from gpu_backend.tracedata import load_trace
@@ -223,3 +223,25 @@ def test_only_xqa_steps_carry_a_block_table(tmp_path: Path, name: str) -> None:
         assert bt.shape == (len(rows), max(len(r.pages) for r in rows))
         for r, line in zip(rows, bt.tolist(), strict=True):
             assert line == [p + 16 for p in r.pages] + [15] * (bt.shape[1] - len(r.pages))
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_no_page_moved_gives_the_verdicts_of_an_all_false_changed(tmp_path: Path,
+                                                                   name: str) -> None:
+    """`oracle.verdicts` with changed=None (the driver's fast path when no checksum moved)
+    gives what an all-False changed gives: mismatch and nan by the errors, no blame."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    rng = np.random.default_rng(0)
+    seen: set[int] = set()
+    for s in t.steps:
+        if not t.rows[s.step]:
+            continue
+        b = build_step(s, t.rows[s.step], t.model.page_size, 16)
+        tok = rng.random((2, b.num_tokens), dtype=np.float32) * 0.1
+        tok[0, rng.random(b.num_tokens) < 0.1] = np.nan
+        none = verdicts(b, tok, None, 0.05)
+        zeros = verdicts(b, tok, np.zeros(t.model.num_blocks + 32, dtype=bool), 0.05)
+        assert all(np.array_equal(x, y) for x, y in zip(none, zeros, strict=True))
+        assert set(none[0].tolist()) <= {OK, MISMATCH, NAN}
+        seen |= set(none[0].tolist())
+    assert NAN in seen

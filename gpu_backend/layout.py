@@ -75,32 +75,64 @@ class StepBatch:
         return int(self.tokens.shape[0])
 
 
-def _flat_indices(rows: list[RowRecord], backend: str,
-                  pages: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+# a step's rows as arrays (`columns`, or `TraceData.lists` from the trace's Arrow columns)
+SCALARS = ("q_len", "kv_indptr", "committed", "new_tokens", "request", "last_page_len", "kv_len",
+           "shared_blocks")
+LISTS = ("pages", "alloc", "append_pos", "rope_pos", "tokens")
+Columns = dict[str, np.ndarray]
+
+
+def columns(rows: list[RowRecord]) -> Columns:
+    """The rows as `build_step` reads them: each of SCALARS per row (int64), is_ctx / is_gen,
+    and each of LISTS end to end (int64) with its per-row lengths (`{name}_len`)."""
+    c = {k: np.array([getattr(r, k) for r in rows], dtype=np.int64) for k in SCALARS}
+    c["is_ctx"] = np.array([r.phase == "ctx" for r in rows], dtype=bool)
+    c["is_gen"] = np.array([r.phase == "gen" for r in rows], dtype=bool)
+    for k in LISTS:
+        c[k + "_len"] = np.array([len(getattr(r, k)) for r in rows], dtype=np.int64)
+        c[k] = _flat((getattr(r, k) for r in rows), int(c[k + "_len"].sum()))
+    return c
+
+
+def _fits(rows: list[RowRecord], c: Columns) -> bool:
+    """Columns of as many rows, each list as long as its lengths say (a trace's rows are never
+    edited after loading; this keeps mismatched columns from being used)."""
+    return len(c["q_len"]) == len(rows) and all(
+        len(c[k]) == int(c[k + "_len"].sum()) for k in LISTS)
+
+
+def _ragged(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, index within the row) of every entry of lists of these lengths, end to end."""
+    row = np.repeat(np.arange(len(lens)), lens)
+    return row, np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+
+
+def _flat_indices(c: Columns, backend: str) -> tuple[np.ndarray, np.ndarray]:
     """The engine's flat kv_indices and indptr. For xqa the CSR is the block table's rows laid end
     to end (row r at r * width), which is how an append addresses a block table."""
+    pages, lens = c["pages"], c["pages_len"]
     if backend == "xqa":
-        width = max((len(r.pages) for r in rows), default=0)
-        ind = np.full(len(rows) * width, -1, dtype=np.int64)
-        for i, r in enumerate(rows):
-            ind[i * width: i * width + len(r.pages)] = r.pages
-        return np.arange(len(rows) + 1, dtype=np.int64) * width, ind
+        width = int(lens.max(initial=0))
+        ind = np.full(len(lens) * width, -1, dtype=np.int64)
+        row, col = _ragged(lens)
+        ind[row * width + col] = pages
+        return np.arange(len(lens) + 1, dtype=np.int64) * width, ind
     # Same flat array as sim.check.access: the rows' pages end to end, indptr from the trace.
-    starts = np.array([r.kv_indptr for r in rows], dtype=np.int64)
-    ind = _flat(r.pages for r in rows) if pages is None else pages
-    end = starts[-1] + len(rows[-1].pages) if rows else 0
-    return np.append(starts, end), ind
+    starts = c["kv_indptr"]
+    end = starts[-1] + lens[-1] if len(lens) else 0
+    return np.append(starts, end), pages
 
 
-def _xqa_csr(rows: list[RowRecord], backend: str, ind: np.ndarray, starts: np.ndarray,
+def _xqa_csr(c: Columns, backend: str, ind: np.ndarray, starts: np.ndarray,
              B: int) -> tuple[np.ndarray, ...]:
+    R = len(c["q_len"])
     if backend != "xqa":
         z = np.zeros(1, np.int64)
-        return np.zeros(len(rows) + 1, np.int64), z[:0], np.ones(len(rows), np.int64)
-    kv = np.array([r.kv_len for r in rows], dtype=np.int64)
+        return np.zeros(R + 1, np.int64), z[:0], np.ones(R, np.int64)
+    kv = c["kv_len"]
     nb = np.maximum(-(-kv // B), 1)
     ptr = np.concatenate([[0], np.cumsum(nb)])
-    row = np.repeat(np.arange(len(rows)), nb)
+    row = np.repeat(np.arange(R), nb)
     col = np.arange(int(ptr[-1])) - ptr[row]
     flat = np.minimum(starts[row] + col, len(ind) - 1)  # the table's tail entries are -1
     return ptr, ind[flat], np.maximum(kv - (nb - 1) * B, 1)
@@ -120,24 +152,23 @@ def _member(x: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
     return sorted_keys[i] == x
 
 
-def _block_table(rows: list[RowRecord], guard: int) -> np.ndarray:
-    lens = np.fromiter((len(r.pages) for r in rows), np.int64, len(rows))
+def _block_table(c: Columns, guard: int) -> np.ndarray:
+    lens = c["pages_len"]
     width = int(lens.max(initial=1))
-    bt = np.full((len(rows), max(width, 1)), -1, dtype=np.int64)
-    bt[np.arange(bt.shape[1]) < lens[:, None]] = _flat(r.pages for r in rows)  # row-major fill
+    bt = np.full((len(lens), max(width, 1)), -1, dtype=np.int64)
+    bt[np.arange(bt.shape[1]) < lens[:, None]] = c["pages"]  # row-major fill
     return (bt + guard).astype(I32)
 
 
-def _truth_writes(rows: list[RowRecord], B: int, guard: int, row_of_token: np.ndarray,
-                  true_pos: np.ndarray, eng: np.ndarray, shared: np.ndarray,
-                  flat_alloc: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
+def _truth_writes(c: Columns, B: int, guard: int, row_of_token: np.ndarray,
+                  true_pos: np.ndarray, eng: np.ndarray,
+                  shared: np.ndarray) -> tuple[np.ndarray, ...]:
     """(allowed pages, write_ok per token, rejected-draft pages, slots), all from the truth:
     token t of row r writes true position committed_r + j into alloc_r[pos // B]; the row may
     write that block unless it is one of its shared prefix blocks."""
-    n_alloc = np.array([len(r.alloc) for r in rows], dtype=np.int64)
+    n_alloc, alloc = c["alloc_len"], c["alloc"]
     ptr = np.concatenate([[0], np.cumsum(n_alloc)])
-    alloc = _flat((r.alloc for r in rows), int(ptr[-1])) if flat_alloc is None else flat_alloc
-    lead = np.array([r.shared_blocks for r in rows], dtype=np.int64)
+    lead = c["shared_blocks"]
     blk = true_pos // B
     has = blk < n_alloc[row_of_token]
     page = np.where(has, alloc[np.minimum(ptr[row_of_token] + blk, max(len(alloc) - 1, 0))]
@@ -145,88 +176,84 @@ def _truth_writes(rows: list[RowRecord], B: int, guard: int, row_of_token: np.nd
     page = np.where(page >= 0, page + guard, -1)
     mine = (page >= 0) & (blk >= lead[row_of_token]) & ~np.isin(page - guard, shared)
     # pages of each row's own non-shared blocks, keyed by row: may the engine's write go there?
-    own_row = np.repeat(np.arange(len(rows)), n_alloc)
+    own_row = np.repeat(np.arange(len(n_alloc)), n_alloc)
     own_ok = (np.arange(len(alloc)) - ptr[own_row] >= lead[own_row]) & (alloc >= 0)
     own_ok &= ~np.isin(alloc, shared)
     big = 1 << 32
     own_keys = np.sort(own_row[own_ok] * big + alloc[own_ok] + guard)
     write_ok = _member(row_of_token.astype(np.int64) * big + eng, own_keys) & (eng >= 0)
-    gen = np.array([r.phase == "gen" for r in rows])[row_of_token]
-    new = np.array([r.new_tokens for r in rows], dtype=np.int64)[row_of_token]
-    committed = np.array([r.committed for r in rows], dtype=np.int64)[row_of_token]
+    gen = c["is_gen"][row_of_token]
+    new = c["new_tokens"][row_of_token]
+    committed = c["committed"][row_of_token]
     rej = gen & (true_pos - committed >= new) & (page >= 0)
     return (np.unique(page[mine]), write_ok, page[rej], true_pos[rej] % B)
 
 
+def _check_lengths(rows: list[RowRecord], c: Columns) -> None:
+    """A device-ahead row appends more K/V than it has queries; nothing else may differ."""
+    q_len, a_len = c["q_len"], c["append_pos_len"]
+    bad = (c["rope_pos_len"] != q_len) | (q_len > a_len) | (a_len != c["tokens_len"])
+    if bad.any():
+        r = rows[int(np.argmax(bad))]
+        raise TraceError(f"step {r.step} row {r.row}: tokens/append_pos/rope_pos lengths "
+                         f"{len(r.tokens)}/{len(r.append_pos)}/{len(r.rope_pos)} do not fit "
+                         f"q_len {r.q_len}")
+
+
 def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: int,
-               shared: np.ndarray | None = None,
-               lists: dict[str, np.ndarray] | None = None) -> StepBatch:
+               shared: np.ndarray | None = None, lists: Columns | None = None) -> StepBatch:
     """Flatten one step. `shared`: engine ids of blocks with more than one holder (from the
-    block events): no row may write them, whatever its `shared_blocks` says. `lists`: the rows'
-    pages and alloc end to end (`TraceData.lists`), else flattened from the rows' tuples.
+    block events): no row may write them, whatever its `shared_blocks` says. `lists`: the rows
+    as arrays (`TraceData.lists`), else built from the rows' tuples (`columns`).
     Raises TraceError when a row contradicts itself (list lengths)."""
-    lists = lists if lists is not None and _fits(rows, lists) else {}
-    for r in rows:  # a device-ahead row appends more K/V than it has queries
-        if not (len(r.rope_pos) == r.q_len <= len(r.append_pos) == len(r.tokens)):
-            raise TraceError(f"step {r.step} row {r.row}: tokens/append_pos/rope_pos lengths "
-                             f"{len(r.tokens)}/{len(r.append_pos)}/{len(r.rope_pos)} do not fit "
-                             f"q_len {r.q_len}")
-    q_len = np.array([r.q_len for r in rows], dtype=np.int64)
+    c = lists if lists is not None and _fits(rows, lists) else columns(rows)
+    _check_lengths(rows, c)
+    R = len(rows)
+    q_len = c["q_len"]
     qo = np.concatenate([[0], np.cumsum(q_len)]).astype(I32)
-    indptr, ind = _flat_indices(rows, step.backend, lists.get("pages"))
+    indptr, ind = _flat_indices(c, step.backend)
     ind = np.concatenate([ind, np.full(TAIL, -1, dtype=np.int64)])
-    row_of_token = np.repeat(np.arange(len(rows)), q_len).astype(I32)
-    a_len = np.array([len(r.append_pos) for r in rows], dtype=np.int64)
-    app_row = np.repeat(np.arange(len(rows)), a_len).astype(I32)
-    app = np.concatenate([list(r.append_pos) for r in rows] or [[]]).astype(np.int64)
-    j_app = np.arange(len(app)) - np.repeat(np.cumsum(a_len) - a_len, a_len)
+    row_of_token = np.repeat(np.arange(R), q_len).astype(I32)
+    a_len = c["append_pos_len"]
+    app_row, j_app = _ragged(a_len)
+    app_row = app_row.astype(I32)
+    app = c["append_pos"]
     # Append addresses indices[indptr[b] + pos // B] with no bounds check (reference §3).
     slot = indptr[app_row] + app // page_size
     inside = (slot >= 0) & (slot < len(ind))
     eng = np.where(inside, ind[np.clip(slot, 0, max(len(ind) - 1, 0))] if len(ind) else -1, -1)
     eng = np.where(inside & (eng >= -guard), eng + guard, -1)
-    xp, xi, xl = _xqa_csr(rows, step.backend, ind, indptr, page_size)
-    committed = np.array([r.committed for r in rows], dtype=np.int64)
+    xp, xi, xl = _xqa_csr(c, step.backend, ind, indptr, page_size)
+    committed = c["committed"]
     true_pos = np.repeat(committed, q_len) + (np.arange(int(qo[-1])) - np.repeat(qo[:-1], q_len))
     eng = eng.astype(np.int64)
     allowed, write_ok, rej_p, rej_s = _truth_writes(
-        rows, page_size, guard, app_row, np.repeat(committed, a_len) + j_app, eng,
-        np.zeros(0, np.int64) if shared is None else shared, lists.get("alloc"))
-    toks = np.concatenate([list(r.tokens) for r in rows] or [[]]).astype(np.int64)
-    # K of the extra (device-ahead) appends is built at their append position
-    app_rope = np.concatenate([list(r.rope_pos) + list(r.append_pos[r.q_len:])
-                               for r in rows] or [[]]).astype(np.int64)
+        c, page_size, guard, app_row, np.repeat(committed, a_len) + j_app, eng,
+        np.zeros(0, np.int64) if shared is None else shared)
+    # a row's first q_len appends are its queries; K of the extra (device-ahead) appends is
+    # built at their append position
+    is_q = j_app < q_len[app_row]
+    app_rope = app.copy()
+    app_rope[is_q] = c["rope_pos"]
     return StepBatch(
         step=step.step, backend=step.backend, plan_q_len=step.plan_q_len,
         plan_batch=step.plan_batch, plan_cache_size=step.plan_cache_size, page_size=page_size,
-        guard=guard,
-        requests=np.array([r.request for r in rows], dtype=np.int64),
-        is_ctx=np.array([r.phase == "ctx" for r in rows], dtype=bool),
+        guard=guard, requests=c["request"], is_ctx=c["is_ctx"],
         q_len=q_len, qo_indptr=qo, kv_indptr=indptr.astype(I32),
         kv_indices=(ind + guard).astype(I32),
-        last_page_len=np.array([r.last_page_len for r in rows], dtype=I32),
-        kv_len=np.array([r.kv_len for r in rows], dtype=I32),
+        last_page_len=c["last_page_len"].astype(I32), kv_len=c["kv_len"].astype(I32),
         # only XQA reads a block table: built for every step, it flattened every row's pages a
         # second time (~0.5 ms of a 3 ms step's preparation at batch 64 x kv 8k)
-        block_table=_block_table(rows, guard) if step.backend == "xqa" else
-        np.zeros((len(rows), 0), dtype=I32), row_of_token=row_of_token,
-        tokens=np.concatenate([list(r.tokens[: r.q_len]) for r in rows] or [[]]).astype(np.int64),
-        app_row=app_row, app_tokens=toks, app_rope=app_rope,
-        rope_pos=np.concatenate([list(r.rope_pos) for r in rows] or [[]]).astype(np.int64),
-        append_pos=app,
-        true_pos=true_pos,
-        committed=committed, new_tokens=np.array([r.new_tokens for r in rows], dtype=np.int64),
+        block_table=_block_table(c, guard) if step.backend == "xqa" else
+        np.zeros((R, 0), dtype=I32), row_of_token=row_of_token,
+        tokens=c["tokens"][is_q], app_row=app_row, app_tokens=c["tokens"], app_rope=app_rope,
+        rope_pos=c["rope_pos"], append_pos=app, true_pos=true_pos,
+        committed=committed, new_tokens=c["new_tokens"],
         allowed_pages=allowed, engine_write=eng, write_ok=write_ok,
         xqa_indptr=xp.astype(I32), xqa_indices=(xi + guard).astype(I32),
         xqa_last_page_len=xl.astype(I32),
         reject_page=rej_p, reject_slot=rej_s,
-        runs=tuple(_runs([r.phase == "ctx" for r in rows], q_len.tolist())))
-
-
-def _fits(rows: list[RowRecord], lists: dict[str, np.ndarray]) -> bool:
-    """The lists hold as many entries as the rows' tuples (a trace's rows are never edited
-    after loading; this keeps a caller's edited rows from pairing with stale lists)."""
-    return all(len(lists[k]) == sum(len(getattr(r, k)) for r in rows) for k in lists)
+        runs=tuple(_runs(c["is_ctx"].tolist(), q_len.tolist())))
 
 
 def launch_runs(b: StepBatch) -> list[tuple[int, int, str]]:

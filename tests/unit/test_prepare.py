@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 from replay_traces import SCENARIOS, big_verify
 
-from gpu_backend import prepare
+from gpu_backend import prepare, tracedata
 from gpu_backend.driver import GUARD_PAGES, replay
-from gpu_backend.layout import build_step
+from gpu_backend.layout import build_step, columns
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.tracedata import TraceData, load_trace
+from sim.trace.reader import read_trace
 
 
 @pytest.fixture(scope="module")
@@ -85,14 +86,16 @@ def _batches_equal(a: Any, b: Any) -> bool:
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_the_arrow_lists_flatten_as_the_rows_tuples(tmp_path: Path, name: str) -> None:
-    """`TraceData.lists` (from the Arrow columns) hold the rows' pages and alloc end to end:
-    every step flattens to the same batch with them as from the tuples."""
+def test_the_arrow_columns_flatten_as_the_rows_tuples(tmp_path: Path, name: str) -> None:
+    """`TraceData.lists` (from the Arrow columns) hold the rows as `layout.columns` builds them
+    from the tuples: every step flattens to the same batch either way."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     for s in t.steps:
         rows = t.rows[s.step]
-        for k in ("pages", "alloc"):
-            assert t.lists[s.step][k].tolist() == [x for r in rows for x in getattr(r, k)]
+        got, want = t.lists[s.step], columns(rows)
+        assert got.keys() == want.keys()
+        assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype
+                   for k in got)
         if rows:
             fast = build_step(s, rows, t.model.page_size, 16, lists=t.lists[s.step])
             assert _batches_equal(fast, build_step(s, rows, t.model.page_size, 16))
@@ -105,3 +108,20 @@ def test_lists_that_do_not_fit_the_rows_are_not_used(tmp_path: Path) -> None:
     short = {k: v[:-1] for k, v in t.lists[s.step].items()}
     assert _batches_equal(build_step(s, rows, t.model.page_size, 16, lists=short),
                           build_step(s, rows, t.model.page_size, 16))
+
+
+def test_the_columns_of_rows_out_of_table_order_are_gathered(trace: TraceData) -> None:
+    """A step whose rows are not one contiguous run of rows.parquet in row order gets its
+    columns gathered row by row: here every step's rows taken in reverse."""
+    table = read_trace(trace.path).tables["rows"]
+    steps = table.column("step").to_pylist()
+    order = {s.step: [i for i, x in enumerate(steps) if x == s.step][::-1] for s in trace.steps}
+    got = tracedata._lists(table, order)
+    for s in trace.steps:
+        want = columns(trace.rows[s.step][::-1])
+        assert all(np.array_equal(got[s.step][k], want[k]) for k in want)
+    for s in trace.steps:  # the module's big_verify trace too, in order
+        rows = trace.rows[s.step]
+        B = trace.model.page_size
+        assert _batches_equal(build_step(s, rows, B, 16, lists=trace.lists[s.step]),
+                              build_step(s, rows, B, 16))

@@ -75,7 +75,7 @@ class StepBatch:
         return int(self.tokens.shape[0])
 
 
-# a step's rows as arrays (`columns`, or `TraceData.lists` from the trace's Arrow columns)
+# a step's rows as arrays (`columns`, or `TraceData.columns` from the trace's Arrow columns)
 SCALARS = ("q_len", "kv_indptr", "committed", "new_tokens", "request", "last_page_len", "kv_len",
            "shared_blocks")
 LISTS = ("pages", "alloc", "append_pos", "rope_pos", "tokens")
@@ -201,12 +201,12 @@ def _check_lengths(rows: list[RowRecord], c: Columns) -> None:
 
 
 def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: int,
-               shared: np.ndarray | None = None, lists: Columns | None = None) -> StepBatch:
+               shared: np.ndarray | None = None, cols: Columns | None = None) -> StepBatch:
     """Flatten one step. `shared`: engine ids of blocks with more than one holder (from the
-    block events): no row may write them, whatever its `shared_blocks` says. `lists`: the rows
-    as arrays (`TraceData.lists`), else built from the rows' tuples (`columns`).
+    block events): no row may write them, whatever its `shared_blocks` says. `cols`: the rows
+    as arrays (`TraceData.columns`), else built from the rows' tuples (`columns`).
     Raises TraceError when a row contradicts itself (list lengths)."""
-    c = lists if lists is not None and _fits(rows, lists) else columns(rows)
+    c = cols if cols is not None and _fits(rows, cols) else columns(rows)
     _check_lengths(rows, c)
     R = len(rows)
     q_len = c["q_len"]

@@ -32,9 +32,10 @@ from sim.trace.records import RowRecord, StepRecord
 
 CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host memory on long traces
 # ... or steps, whichever comes first. The next chunk is prepared a step at a time between the
-# steps of the one before (`prepared_steps`); prepared whole, a chunk stalled the device for its
-# whole preparation (96 generation steps at batch 128 x kv 8k: 2.7 ms a step of it inside the
-# timed steps on the H200, twice the step itself)
+# steps of the one before (`prepared_steps`) instead of stalling the device for its whole
+# preparation. While preparing a step takes the host longer than the device's step (every size
+# measured so far) that only hides the device's share: a wash end to end on the H200 (docs/gpu.md
+# round 11); it pays once preparation is faster than the device
 CHUNK_STEPS = 8
 
 
@@ -154,7 +155,7 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
     ops, touched = _pool_ops(st, ops, touched, arrays)
     shared = np.fromiter(st.shared, np.int64, len(st.shared))
     b = build_step(s, rows, st.trace.model.page_size, st.guard, shared,
-                   st.trace.lists.get(s.step))
+                   st.trace.columns.get(s.step))
     slots, fill = _admit(st, b, arrays)
     arrays |= _step_arrays(b, slots) | run_arrays(b)
     if touched:

@@ -50,7 +50,7 @@ class TraceData:
     violations: list[tuple[str, int, int, str]] = field(default_factory=list)
     # step -> its rows as arrays, in row order (`layout.columns`: what `layout.build_step`
     # reads), from the decoded Arrow columns: views where the step's rows are contiguous
-    lists: dict[int, Columns] = field(default_factory=dict)
+    columns: dict[int, Columns] = field(default_factory=dict)
 
 
 def _manifest(path: Path) -> dict[str, Any]:
@@ -82,10 +82,10 @@ def _tables(path: Path) -> tuple[dict[str, list[dict[str, Any]]], pa.Table]:
                                                     "violations")}, t.tables["rows"]
 
 
-def _lists(table: pa.Table, order: dict[int, list[int]]) -> dict[int, Columns]:
-    """`TraceData.lists`; order: step -> its rows' table indices in row order. Walking the rows'
-    tuples instead (`layout.columns`) took ~1 ms of a 2.3 ms step's preparation at batch 64 x
-    kv 8k, most of a 1.1 ms step's at 64 x 2k."""
+def _columns(table: pa.Table, order: dict[int, list[int]]) -> dict[int, Columns]:
+    """`TraceData.columns`; order: step -> its rows' table indices in row order. Walking the
+    rows' tuples instead (`layout.columns`) took ~1.2 of a 2.3 ms step's preparation at batch
+    64 x kv 8k, ~0.4 of a 1.07 ms step's at 64 x 2k (this project's CPU)."""
     flat: dict[str, np.ndarray] = {k: _ints(table.column(k)) for k in SCALARS}
     phase = table.column("phase")
     flat["is_ctx"] = pc.equal(phase, "ctx").to_numpy(zero_copy_only=False)
@@ -138,17 +138,16 @@ def load_trace(path: str | Path) -> TraceData:
         raise TraceError(f"{path}: num_q_heads {model.num_q_heads} is not a multiple of "
                          f"num_kv_heads {model.num_kv_heads}")
     steps = sorted((_as_step(d) for d in tabs["steps"]), key=lambda s: s.step)
-    rows: dict[int, list[RowRecord]] = {s.step: [] for s in steps}
-    at: dict[int, int] = {}  # id of a row -> its index in rows.parquet
+    at: dict[int, list[tuple[RowRecord, int]]] = {s.step: [] for s in steps}  # (row, index)
     for i, d in enumerate(tabs["rows"]):
         r = _as_row(d)
-        if r.step not in rows:
+        if r.step not in at:
             raise TraceError(f"{path}: rows.parquet has step {r.step}, absent from steps.parquet")
-        rows[r.step].append(r)
-        at[id(r)] = i
-    for lst in rows.values():
-        lst.sort(key=lambda r: r.row)
-    lists = _lists(row_table, {s: [at[id(r)] for r in lst] for s, lst in rows.items()})
+        at[r.step].append((r, i))
+    for lst in at.values():
+        lst.sort(key=lambda ri: ri[0].row)
+    rows = {s: [r for r, _ in lst] for s, lst in at.items()}
+    columns = _columns(row_table, {s: [i for _, i in lst] for s, lst in at.items()})
     prompts = {int(d["request"]): tuple(d["prompt_tokens"]) + tuple(d["output_tokens"])
                for d in tabs["requests"]}
     events: dict[tuple[int, str], list[BlockEvent]] = {}
@@ -157,4 +156,4 @@ def load_trace(path: str | Path) -> TraceData:
         events.setdefault((ev.step, ev.phase), []).append(ev)
     viols = [(d["invariant"], d["step"], d["request"], d["message"])
              for d in tabs["violations"]]
-    return TraceData(path, m, model, steps, rows, prompts, events, viols, lists)
+    return TraceData(path, m, model, steps, rows, prompts, events, viols, columns)

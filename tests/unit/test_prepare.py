@@ -87,26 +87,26 @@ def _batches_equal(a: Any, b: Any) -> bool:
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_the_arrow_columns_flatten_as_the_rows_tuples(tmp_path: Path, name: str) -> None:
-    """`TraceData.lists` (from the Arrow columns) hold the rows as `layout.columns` builds them
+    """`TraceData.columns` (from the Arrow columns) hold the rows as `layout.columns` builds them
     from the tuples: every step flattens to the same batch either way."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     for s in t.steps:
         rows = t.rows[s.step]
-        got, want = t.lists[s.step], columns(rows)
+        got, want = t.columns[s.step], columns(rows)
         assert got.keys() == want.keys()
         assert all(np.array_equal(got[k], want[k]) and got[k].dtype == want[k].dtype
                    for k in got)
         if rows:
-            fast = build_step(s, rows, t.model.page_size, 16, lists=t.lists[s.step])
+            fast = build_step(s, rows, t.model.page_size, 16, cols=t.columns[s.step])
             assert _batches_equal(fast, build_step(s, rows, t.model.page_size, 16))
 
 
-def test_lists_that_do_not_fit_the_rows_are_not_used(tmp_path: Path) -> None:
+def test_columns_that_do_not_fit_the_rows_are_not_used(tmp_path: Path) -> None:
     t = load_trace(SCENARIOS["clean_mtp"](tmp_path / "t"))
     s = t.steps[2]
     rows = t.rows[s.step]
-    short = {k: v[:-1] for k, v in t.lists[s.step].items()}
-    assert _batches_equal(build_step(s, rows, t.model.page_size, 16, lists=short),
+    short = {k: v[:-1] for k, v in t.columns[s.step].items()}
+    assert _batches_equal(build_step(s, rows, t.model.page_size, 16, cols=short),
                           build_step(s, rows, t.model.page_size, 16))
 
 
@@ -116,12 +116,12 @@ def test_the_columns_of_rows_out_of_table_order_are_gathered(trace: TraceData) -
     table = read_trace(trace.path).tables["rows"]
     steps = table.column("step").to_pylist()
     order = {s.step: [i for i, x in enumerate(steps) if x == s.step][::-1] for s in trace.steps}
-    got = tracedata._lists(table, order)
+    got = tracedata._columns(table, order)
     for s in trace.steps:
         want = columns(trace.rows[s.step][::-1])
         assert all(np.array_equal(got[s.step][k], want[k]) for k in want)
     for s in trace.steps:  # the module's big_verify trace too, in order
         rows = trace.rows[s.step]
         B = trace.model.page_size
-        assert _batches_equal(build_step(s, rows, B, 16, lists=trace.lists[s.step]),
+        assert _batches_equal(build_step(s, rows, B, 16, cols=trace.columns[s.step]),
                               build_step(s, rows, B, 16))

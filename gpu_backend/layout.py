@@ -139,8 +139,9 @@ def _xqa_csr(c: Columns, backend: str, ind: np.ndarray, starts: np.ndarray,
 
 
 def _flat(lists: Iterable[tuple[int, ...]], count: int = -1) -> np.ndarray:
-    """Page-id tuples end to end as int64. chain walks the tuples in C: a nested generator
-    expression took ~1 ms a step at batch 64, kv 2k (two lists per row)."""
+    """Int tuples end to end as int64 (`columns`: the rows' lists when no Arrow columns fit).
+    chain walks the tuples in C: a nested generator expression took ~1 ms a step at batch 64,
+    kv 2k (two lists per row)."""
     return np.fromiter(chain.from_iterable(lists), np.int64, count)
 
 

@@ -129,12 +129,13 @@ def _xqa_csr(c: Columns, backend: str, ind: np.ndarray, starts: np.ndarray,
     if backend != "xqa":
         z = np.zeros(1, np.int64)
         return np.zeros(R + 1, np.int64), z[:0], np.ones(R, np.int64)
+    ind = np.concatenate([ind, np.full(TAIL, -1, dtype=np.int64)])  # the table's tail
     kv = c["kv_len"]
     nb = np.maximum(-(-kv // B), 1)
     ptr = np.concatenate([[0], np.cumsum(nb)])
     row = np.repeat(np.arange(R), nb)
     col = np.arange(int(ptr[-1])) - ptr[row]
-    flat = np.minimum(starts[row] + col, len(ind) - 1)  # the table's tail entries are -1
+    flat = np.minimum(starts[row] + col, len(ind) - 1)
     return ptr, ind[flat], np.maximum(kv - (nb - 1) * B, 1)
 
 
@@ -176,18 +177,33 @@ def _truth_writes(c: Columns, B: int, guard: int, row_of_token: np.ndarray,
                     if len(alloc) else -1, -1)
     page = np.where(page >= 0, page + guard, -1)
     mine = (page >= 0) & (blk >= lead[row_of_token]) & ~np.isin(page - guard, shared)
-    # pages of each row's own non-shared blocks, keyed by row: may the engine's write go there?
-    own_row = np.repeat(np.arange(len(n_alloc)), n_alloc)
-    own_ok = (np.arange(len(alloc)) - ptr[own_row] >= lead[own_row]) & (alloc >= 0)
-    own_ok &= ~np.isin(alloc, shared)
-    big = 1 << 32
-    own_keys = np.sort(own_row[own_ok] * big + alloc[own_ok] + guard)
-    write_ok = _member(row_of_token.astype(np.int64) * big + eng, own_keys) & (eng >= 0)
+    # An engine write to the very page the truth names, when that page is the row's own, is
+    # allowed; only the others are looked up among all the row's own pages (`_owns`), so a
+    # correct step costs per token, not per page of the batch (~0.3 ms at batch 64 x kv 8k)
+    write_ok = mine & (eng == page)
+    doubt = ~write_ok & (eng >= 0)
+    if doubt.any():
+        write_ok[doubt] = _owns(c, ptr, guard, shared, row_of_token[doubt], eng[doubt])
     gen = c["is_gen"][row_of_token]
     new = c["new_tokens"][row_of_token]
     committed = c["committed"][row_of_token]
     rej = gen & (true_pos - committed >= new) & (page >= 0)
     return (np.unique(page[mine]), write_ok, page[rej], true_pos[rej] % B)
+
+
+def _owns(c: Columns, ptr: np.ndarray, guard: int, shared: np.ndarray, row: np.ndarray,
+          page: np.ndarray) -> np.ndarray:
+    """Is pool page `page[i]` one of row `row[i]`'s own blocks (past its shared prefix, not
+    shared, allocated)? One sorted (row, page) key per block of the rows asked about."""
+    rows = np.unique(row).astype(np.int64)  # row ids are int32: keys need 64 bits
+    n = c["alloc_len"][rows]
+    rr, i = _ragged(n)
+    rr = rows[rr]
+    alloc = c["alloc"][ptr[rr] + i]
+    ok = (i >= c["shared_blocks"][rr]) & (alloc >= 0) & ~np.isin(alloc, shared)
+    big = 1 << 32
+    keys = np.sort(rr[ok] * big + alloc[ok] + guard)
+    return _member(row.astype(np.int64) * big + page, keys)
 
 
 def _check_lengths(rows: list[RowRecord], c: Columns) -> None:
@@ -202,17 +218,58 @@ def _check_lengths(rows: list[RowRecord], c: Columns) -> None:
 
 
 def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: int,
-               shared: np.ndarray | None = None, cols: Columns | None = None) -> StepBatch:
+               shared: np.ndarray | None = None, cols: Columns | None = None,
+               compiled: bool = True) -> StepBatch:
     """Flatten one step. `shared`: engine ids of blocks with more than one holder (from the
     block events): no row may write them, whatever its `shared_blocks` says. `cols`: the rows
     as arrays (`TraceData.columns`), else built from the rows' tuples (`columns`).
+    `compiled`: the per-token work in one numba pass (`gpu_backend.flatten`), else in numpy
+    (`_flat_numpy`, the oracle it is tested against).
     Raises TraceError when a row contradicts itself (list lengths)."""
     c = cols if cols is not None and _fits(rows, cols) else columns(rows)
     _check_lengths(rows, c)
     R = len(rows)
+    sh = np.zeros(0, np.int64) if shared is None else shared
+    indptr, ind = _flat_indices(c, step.backend)
+    f = _flat_compiled(c, indptr, ind, sh, page_size, guard) if compiled else \
+        _flat_numpy(c, indptr, ind, sh, page_size, guard)
+    xp, xi, xl = _xqa_csr(c, step.backend, ind, indptr, page_size)
+    return StepBatch(
+        step=step.step, backend=step.backend, plan_q_len=step.plan_q_len,
+        plan_batch=step.plan_batch, plan_cache_size=step.plan_cache_size, page_size=page_size,
+        guard=guard, requests=c["request"], is_ctx=c["is_ctx"],
+        q_len=c["q_len"], kv_indptr=indptr.astype(I32),
+        last_page_len=c["last_page_len"].astype(I32), kv_len=c["kv_len"].astype(I32),
+        # only XQA reads a block table: built for every step, it flattened every row's pages a
+        # second time (~0.5 ms of a 3 ms step's preparation at batch 64 x kv 8k)
+        block_table=_block_table(c, guard) if step.backend == "xqa" else
+        np.zeros((R, 0), dtype=I32),
+        app_tokens=c["tokens"], rope_pos=c["rope_pos"], append_pos=c["append_pos"],
+        committed=c["committed"], new_tokens=c["new_tokens"],
+        xqa_indptr=xp.astype(I32), xqa_indices=(xi + guard).astype(I32),
+        xqa_last_page_len=xl.astype(I32), runs=_runs_of(c["is_ctx"], c["q_len"]), **f)
+
+
+def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
+                   B: int, guard: int) -> dict[str, np.ndarray]:
+    from gpu_backend.flatten import flatten
+
+    out = flatten(c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"], c["tokens"],
+                  c["committed"], c["alloc"], c["alloc_len"], c["shared_blocks"], c["is_gen"],
+                  c["new_tokens"], indptr, ind, np.sort(shared), B, guard, TAIL)
+    return dict(zip(_FLAT, out, strict=True))
+
+
+# the arrays `_flat_numpy` and `flatten.flatten` return, in this order
+_FLAT = ("qo_indptr", "kv_indices", "row_of_token", "true_pos", "tokens", "app_row", "app_rope",
+         "engine_write", "write_ok", "allowed_pages", "reject_page", "reject_slot")
+
+
+def _flat_numpy(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
+                B: int, guard: int) -> dict[str, np.ndarray]:
+    R = len(c["q_len"])
     q_len = c["q_len"]
     qo = np.concatenate([[0], np.cumsum(q_len)]).astype(I32)
-    indptr, ind = _flat_indices(c, step.backend)
     ind = np.concatenate([ind, np.full(TAIL, -1, dtype=np.int64)])
     row_of_token = np.repeat(np.arange(R), q_len).astype(I32)
     a_len = c["append_pos_len"]
@@ -220,41 +277,22 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
     app_row = app_row.astype(I32)
     app = c["append_pos"]
     # Append addresses indices[indptr[b] + pos // B] with no bounds check (reference §3).
-    slot = indptr[app_row] + app // page_size
+    slot = indptr[app_row] + app // B
     inside = (slot >= 0) & (slot < len(ind))
     eng = np.where(inside, ind[np.clip(slot, 0, max(len(ind) - 1, 0))] if len(ind) else -1, -1)
-    eng = np.where(inside & (eng >= -guard), eng + guard, -1)
-    xp, xi, xl = _xqa_csr(c, step.backend, ind, indptr, page_size)
+    eng = np.where(inside & (eng >= -guard), eng + guard, -1).astype(np.int64)
     committed = c["committed"]
     true_pos = np.repeat(committed, q_len) + (np.arange(int(qo[-1])) - np.repeat(qo[:-1], q_len))
-    eng = eng.astype(np.int64)
     allowed, write_ok, rej_p, rej_s = _truth_writes(
-        c, page_size, guard, app_row, np.repeat(committed, a_len) + j_app, eng,
-        np.zeros(0, np.int64) if shared is None else shared)
+        c, B, guard, app_row, np.repeat(committed, a_len) + j_app, eng, shared)
     # a row's first q_len appends are its queries; K of the extra (device-ahead) appends is
     # built at their append position
     is_q = j_app < q_len[app_row]
     app_rope = app.copy()
     app_rope[is_q] = c["rope_pos"]
-    return StepBatch(
-        step=step.step, backend=step.backend, plan_q_len=step.plan_q_len,
-        plan_batch=step.plan_batch, plan_cache_size=step.plan_cache_size, page_size=page_size,
-        guard=guard, requests=c["request"], is_ctx=c["is_ctx"],
-        q_len=q_len, qo_indptr=qo, kv_indptr=indptr.astype(I32),
-        kv_indices=(ind + guard).astype(I32),
-        last_page_len=c["last_page_len"].astype(I32), kv_len=c["kv_len"].astype(I32),
-        # only XQA reads a block table: built for every step, it flattened every row's pages a
-        # second time (~0.5 ms of a 3 ms step's preparation at batch 64 x kv 8k)
-        block_table=_block_table(c, guard) if step.backend == "xqa" else
-        np.zeros((R, 0), dtype=I32), row_of_token=row_of_token,
-        tokens=c["tokens"][is_q], app_row=app_row, app_tokens=c["tokens"], app_rope=app_rope,
-        rope_pos=c["rope_pos"], append_pos=app, true_pos=true_pos,
-        committed=committed, new_tokens=c["new_tokens"],
-        allowed_pages=allowed, engine_write=eng, write_ok=write_ok,
-        xqa_indptr=xp.astype(I32), xqa_indices=(xi + guard).astype(I32),
-        xqa_last_page_len=xl.astype(I32),
-        reject_page=rej_p, reject_slot=rej_s,
-        runs=tuple(_runs(c["is_ctx"].tolist(), q_len.tolist())))
+    out = (qo, (ind + guard).astype(I32), row_of_token, true_pos, c["tokens"][is_q], app_row,
+           app_rope, eng, write_ok, allowed, rej_p, rej_s)
+    return dict(zip(_FLAT, out, strict=True))
 
 
 def launch_runs(b: StepBatch) -> list[tuple[int, int, str]]:
@@ -273,6 +311,20 @@ def _runs(is_ctx: list[bool], q_len: list[int]) -> list[tuple[int, int, str]]:
         else:
             out.append((i, i + 1, k))
     return out
+
+
+_KINDS = ("ctx", "decode", "verify")
+
+
+def _runs_of(is_ctx: np.ndarray, q_len: np.ndarray) -> tuple[tuple[int, int, str], ...]:
+    """`_runs` on arrays: the kinds' change points found in numpy (a 64-row step walked in
+    Python took ~20 µs)."""
+    kind = np.where(is_ctx, 0, np.where(q_len == 1, 1, 2))
+    cut = np.flatnonzero(np.diff(kind)) + 1
+    starts = np.concatenate([[0], cut]).tolist() if len(kind) else []
+    ends = np.concatenate([cut, [len(kind)]]).tolist() if len(kind) else []
+    return tuple((s, e, _KINDS[k]) for s, e, k in zip(starts, ends, kind[starts].tolist(),
+                                                      strict=True))
 
 
 def stale_plan(b: StepBatch, s: int, e: int, kind: str) -> tuple[int, int] | None:

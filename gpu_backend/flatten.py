@@ -1,0 +1,98 @@
+"""`layout.build_step`'s per-token and per-page work as one compiled (numba) pass.
+
+Why: the numpy flattening is ~40 small array operations a step, ~0.2 ms of host at batch 64
+whatever the batch's size, and the replay's host is the bottleneck end to end (docs/gpu.md,
+round 12). One loop over the rows writes every array at once. `layout.build_step` with
+`compiled=False` is the numpy oracle this is tested against (tests/unit/test_flatten.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.jit_cache import drop_stale
+
+drop_stale(__file__)  # before the kernels below load anything from numba's cache
+
+import numba as nb  # noqa: E402
+
+
+@nb.njit(cache=True, inline="always")
+def _has(sorted_keys: np.ndarray, x: int) -> bool:
+    i = np.searchsorted(sorted_keys, x)
+    return bool(i < len(sorted_keys) and sorted_keys[i] == x)
+
+
+@nb.njit(cache=True)
+def flatten(q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
+            rope_pos: np.ndarray, tokens: np.ndarray, committed: np.ndarray,
+            alloc: np.ndarray, alloc_len: np.ndarray, lead: np.ndarray, is_gen: np.ndarray,
+            new_tokens: np.ndarray, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
+            B: int, guard: int, tail: int) -> tuple[np.ndarray, ...]:
+    """The rows' flat arrays (layout.StepBatch's names): qo_indptr, kv_indices (pool indices,
+    `tail` poison entries past the end), row_of_token, true_pos, tokens of the queries,
+    app_row, app_rope, engine_write, write_ok, allowed_pages, reject_page, reject_slot.
+    `ind`/`indptr`: the engine's flat table (engine ids) and row offsets; `shared`: sorted engine
+    ids of blocks with more than one holder. Same rules as the numpy path, see there."""
+    R = len(q_len)
+    nq, na, n_ind = q_len.sum(), a_len.sum(), len(ind) + tail
+    qo = np.zeros(R + 1, np.int32)
+    kv_indices = np.empty(n_ind, np.int32)
+    for i in range(len(ind)):
+        kv_indices[i] = ind[i] + guard
+    kv_indices[len(ind):] = guard - 1  # engine id -1: the last left guard page
+    row_of_token, true_pos = np.empty(nq, np.int32), np.empty(nq, np.int64)
+    tok_q = np.empty(nq, np.int64)
+    app_row, app_rope = np.empty(na, np.int32), np.empty(na, np.int64)
+    eng, write_ok = np.empty(na, np.int64), np.zeros(na, np.bool_)
+    mine = np.empty(na, np.int64)
+    rej_page, rej_slot = np.empty(na, np.int64), np.empty(na, np.int64)
+    n_mine = n_rej = q = a = p0 = 0
+    for r in range(R):
+        qo[r + 1] = qo[r] + q_len[r]
+        for j in range(q_len[r]):
+            row_of_token[q], true_pos[q] = r, committed[r] + j
+            tok_q[q] = tokens[a + j]
+            q += 1
+        for j in range(a_len[r]):
+            app_row[a] = r
+            app_rope[a] = rope_pos[q - q_len[r] + j] if j < q_len[r] else append_pos[a]
+            # the engine's append: indices[indptr[r] + pos // B], no bounds check (reference §3)
+            s = indptr[r] + append_pos[a] // B
+            eng[a] = -1  # outside the table and its tail
+            if 0 <= s < len(ind) and ind[s] >= -guard:
+                eng[a] = ind[s] + guard
+            elif len(ind) <= s < n_ind:
+                eng[a] = guard - 1  # a tail entry
+            # the truth: true position committed + j lands in alloc[pos // B]
+            tp = committed[r] + j
+            blk = tp // B
+            page = -1
+            if blk < alloc_len[r] and len(alloc):
+                page = alloc[min(p0 + blk, len(alloc) - 1)]
+            page = page + guard if page >= 0 else -1
+            if page >= 0 and blk >= lead[r] and not _has(shared, page - guard):
+                mine[n_mine] = page
+                n_mine += 1
+                write_ok[a] = eng[a] == page
+            if not write_ok[a] and eng[a] >= 0:
+                write_ok[a] = _owns(alloc, p0, alloc_len[r], lead[r], shared, eng[a] - guard)
+            if is_gen[r] and j >= new_tokens[r] and page >= 0:
+                rej_page[n_rej], rej_slot[n_rej] = page, tp % B
+                n_rej += 1
+            a += 1
+        p0 += alloc_len[r]
+    return (qo, kv_indices, row_of_token, true_pos, tok_q, app_row, app_rope, eng, write_ok,
+            np.unique(mine[:n_mine]), rej_page[:n_rej], rej_slot[:n_rej])
+
+
+@nb.njit(cache=True)
+def _owns(alloc: np.ndarray, p0: int, n: int, lead: int, shared: np.ndarray, page: int
+          ) -> bool:
+    """Is engine page `page` one of the row's own blocks (alloc[p0 + lead: p0 + n], allocated,
+    not shared)? Only asked for a write that misses the page the truth names."""
+    for i in range(lead, n):
+        x = alloc[p0 + i]
+        if x == page and x >= 0 and not _has(shared, x):
+            return True
+    return False

@@ -1,0 +1,91 @@
+"""The compiled flattening (`gpu_backend.flatten`) against the numpy one it replaced
+(`layout._flat_numpy`): the same arrays, dtypes included, on random rows (wild positions,
+tables too short, shared pages, device-ahead appends) and on every step of the replay
+scenarios and the fault catalog's traces."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from replay_traces import SCENARIOS
+
+from gpu_backend.layout import _FLAT, _flat_compiled, _flat_indices, _flat_numpy, build_step
+from gpu_backend.tracedata import load_trace
+
+ROOT = Path(__file__).resolve().parents[2]
+FAULTS = sorted(p.stem for p in (ROOT / "scenarios" / "faults").glob("*.toml"))
+
+
+def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
+    for k in _FLAT:
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].tolist() == b[k].tolist(), k
+
+
+@st.composite
+def _rows(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], int, int, np.ndarray]:
+    B, guard = draw(st.sampled_from([1, 2, 4])), draw(st.integers(1, 3))
+    R = draw(st.integers(1, 5))
+    ints = st.integers(-3, 14)
+
+    def per_row(s: st.SearchStrategy[int]) -> np.ndarray:
+        return np.array(draw(st.lists(s, min_size=R, max_size=R)), dtype=np.int64)
+
+    def lists(lens: np.ndarray, s: st.SearchStrategy[int]) -> np.ndarray:
+        n = int(lens.sum())
+        return np.array(draw(st.lists(s, min_size=n, max_size=n)), dtype=np.int64)
+
+    c = {"q_len": per_row(st.integers(0, 4)), "committed": per_row(st.integers(0, 12)),
+         "shared_blocks": per_row(st.integers(0, 3)), "new_tokens": per_row(st.integers(0, 4)),
+         "is_gen": np.array(draw(st.lists(st.booleans(), min_size=R, max_size=R))),
+         "alloc_len": per_row(st.integers(0, 6)), "pages_len": per_row(st.integers(0, 6))}
+    c["append_pos_len"] = c["q_len"] + per_row(st.integers(0, 2))  # device-ahead extras
+    c["append_pos"] = lists(c["append_pos_len"], st.integers(-5, 40))
+    c["tokens"] = lists(c["append_pos_len"], st.integers(0, 99))
+    c["rope_pos"] = lists(c["q_len"], st.integers(0, 40))
+    c["alloc"] = lists(c["alloc_len"], ints)
+    c["pages"] = lists(c["pages_len"], ints)
+    # the trace's indptr need not be the pages' offsets (a wrong one is a fault to replay)
+    c["kv_indptr"] = np.cumsum(c["pages_len"]) - c["pages_len"] + per_row(st.integers(-2, 2))
+    shared = np.array(sorted(set(draw(st.lists(ints, max_size=4)))), dtype=np.int64)
+    return c, B, guard, shared
+
+
+@settings(max_examples=400, deadline=None)
+@given(_rows(), st.sampled_from(["fa2", "xqa"]))
+def test_the_compiled_pass_gives_the_numpy_arrays(case: tuple[dict[str, np.ndarray], int, int,
+                                                              np.ndarray], backend: str) -> None:
+    c, B, guard, shared = case
+    indptr, ind = _flat_indices(c, backend)
+    _same(_flat_compiled(c, indptr, ind, shared, B, guard),
+          _flat_numpy(c, indptr, ind, shared, B, guard))
+
+
+def _fault_trace(tmp: Path, fault: str) -> Path:
+    from sim.api import load_scenario, run
+
+    sc, base = load_scenario(ROOT / "scenarios" / "faults" / f"{fault}.toml")
+    run(sc, out=tmp / fault, profile=f"trtllm-post-17264+{fault}", base_dir=base)
+    return tmp / fault
+
+
+@pytest.mark.parametrize("name", [*sorted(SCENARIOS), *FAULTS])
+def test_every_step_flattens_the_same_compiled(tmp_path: Path, name: str) -> None:
+    path = SCENARIOS[name](tmp_path / name) if name in SCENARIOS else _fault_trace(tmp_path, name)
+    t = load_trace(path)
+    pages = sorted({p for rows in t.rows.values() for r in rows for p in r.alloc if p >= 0})
+    for i, s in enumerate(t.steps):
+        rows = t.rows[s.step]
+        if not rows:
+            continue
+        shared = np.array(pages[i % 3::3], dtype=np.int64)  # some pages shared, varying
+        args = (s, rows, t.model.page_size, 16, shared, t.columns.get(s.step))
+        fast, slow = build_step(*args), build_step(*args, compiled=False)
+        for k, v in vars(slow).items():
+            got = getattr(fast, k)
+            assert (got.dtype, got.tolist()) == (v.dtype, v.tolist()) \
+                if isinstance(v, np.ndarray) else got == v, k

@@ -1,0 +1,67 @@
+"""`layout._truth_writes` against its definition: a row may write a page when it is one of the
+row's own blocks (past its shared prefix, allocated, not shared); the fast path only looks up
+the writes that miss the page the truth names."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_backend.layout import _ragged, _truth_writes
+
+B, GUARD = 4, 3
+
+
+def _definition(c: dict[str, np.ndarray], row: np.ndarray, true_pos: np.ndarray,
+                eng: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """write_ok as first written: every (row, own page) of the batch as a set, every write
+    looked up in it."""
+    own = {(r, int(a) + GUARD) for r, lst in enumerate(_lists(c))
+           for i, a in enumerate(lst)
+           if i >= c["shared_blocks"][r] and a >= 0 and a not in set(shared.tolist())}
+    return np.array([e >= 0 and (int(r), int(e)) in own for r, e in zip(row, eng, strict=True)],
+                    dtype=bool)
+
+
+def _lists(c: dict[str, np.ndarray]) -> list[list[int]]:
+    ends = np.cumsum(c["alloc_len"])
+    return [c["alloc"][e - n: e].tolist() for e, n in zip(ends, c["alloc_len"], strict=True)]
+
+
+@st.composite
+def _steps(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray,
+                                    np.ndarray, np.ndarray]:
+    pages = st.integers(-1, 12)
+    allocs = draw(st.lists(st.lists(pages, max_size=6), min_size=1, max_size=5))
+    R = len(allocs)
+    c = {"alloc": np.array([a for lst in allocs for a in lst], dtype=np.int64),
+         "alloc_len": np.array([len(lst) for lst in allocs], dtype=np.int64),
+         "shared_blocks": np.array(draw(st.lists(st.integers(0, 3), min_size=R, max_size=R)),
+                                   dtype=np.int64),
+         "is_gen": np.array(draw(st.lists(st.booleans(), min_size=R, max_size=R))),
+         "new_tokens": np.array(draw(st.lists(st.integers(0, 4), min_size=R, max_size=R)),
+                                dtype=np.int64),
+         "committed": np.array(draw(st.lists(st.integers(0, 20), min_size=R, max_size=R)),
+                               dtype=np.int64)}
+    n = np.array(draw(st.lists(st.integers(0, 5), min_size=R, max_size=R)), dtype=np.int64)
+    row, j = _ragged(n)
+    row = row.astype(np.int32)  # as build_step passes its app_row
+    true_pos = c["committed"][row] + j
+    # engine writes: mostly the page the truth names (as a correct engine), else anything
+    truth = [allocs[r][p // B] + GUARD if p // B < len(allocs[r]) and allocs[r][p // B] >= 0
+             else -1 for r, p in zip(row.tolist(), true_pos.tolist(), strict=True)]
+    eng = np.array([t if draw(st.booleans()) else draw(st.integers(-1, 12 + GUARD))
+                    for t in truth], dtype=np.int64)
+    shared = np.array(sorted(set(draw(st.lists(st.integers(0, 12), max_size=4)))),
+                      dtype=np.int64)
+    return c, row, true_pos, eng, shared
+
+
+@settings(max_examples=300, deadline=None)
+@given(_steps())
+def test_write_ok_is_the_rows_own_pages(case: tuple[dict[str, np.ndarray], np.ndarray,
+                                                     np.ndarray, np.ndarray, np.ndarray]) -> None:
+    c, row, true_pos, eng, shared = case
+    _, write_ok, _, _ = _truth_writes(c, B, GUARD, row, true_pos, eng, shared)
+    assert write_ok.tolist() == _definition(c, row, true_pos, eng, shared).tolist()

@@ -146,7 +146,7 @@ def _flat(lists: Iterable[tuple[int, ...]], count: int = -1) -> np.ndarray:
     return np.fromiter(chain.from_iterable(lists), np.int64, count)
 
 
-def _member(x: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
+def member(x: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
     """np.isin(x, sorted_keys) for sorted keys: one binary search per value, no sort of both."""
     if not len(sorted_keys):
         return np.zeros(len(x), dtype=bool)
@@ -203,7 +203,7 @@ def _owns(c: Columns, ptr: np.ndarray, guard: int, shared: np.ndarray, row: np.n
     ok = (i >= c["shared_blocks"][rr]) & (alloc >= 0) & ~np.isin(alloc, shared)
     big = 1 << 32
     keys = np.sort(rr[ok] * big + alloc[ok] + guard)
-    return _member(row.astype(np.int64) * big + page, keys)
+    return member(row.astype(np.int64) * big + page, keys)
 
 
 def _check_lengths(rows: list[RowRecord], c: Columns) -> None:

@@ -23,7 +23,7 @@ import torch
 from gpu_backend import graphs
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.graphs import Key as GraphKey
-from gpu_backend.layout import StepBatch, build_step, run_arrays
+from gpu_backend.layout import StepBatch, build_step, member, run_arrays
 from gpu_backend.pool import mod_m
 from gpu_backend.staging import Chunk, StepArrays, stage
 from gpu_backend.tracedata import TraceData
@@ -190,7 +190,9 @@ def _targets(b: StepBatch, pages: int, touched: list[int]) -> tuple[np.ndarray, 
     first; how many of the latter)."""
     ew = b.engine_write
     w = np.unique(ew[(ew >= 0) & (ew < pages)])
-    hit = np.isin(w, touched)
+    if not touched:
+        return w, len(w)
+    hit = member(w, np.sort(np.array(touched, dtype=np.int64)))
     return np.concatenate([w[~hit], w[hit]]), int((~hit).sum())
 
 

@@ -20,6 +20,7 @@ ALIGN = 32  # words: every array starts 256 B (int64) / 128 B (int32) aligned, a
 # name suffix -> which copy of the chunk a view comes from
 _COPIES = {"": "d64", "@32": "d32", "@b": "db", "@host": "h32", "@f64": "f64"}
 Slot = tuple[tuple[int, ...], tuple[int, ...], int]  # an array's (shape, strides, offset)
+_ZEROS = np.zeros(ALIGN, dtype=np.int64)  # padding between arrays (only ever read)
 
 
 class Chunk:
@@ -33,14 +34,19 @@ class Chunk:
 
     def add(self, a: np.ndarray) -> Slot:
         """Queue one array (int64, or float64 stored as its bits); returns its slot."""
+        pad = -self.n % ALIGN  # kernels may load index arrays with vector instructions
+        if pad:
+            self.parts.append(_ZEROS[:pad])
+        off = self.n + pad
+        if a.ndim == 1:  # most arrays: one conversion, no stride arithmetic (~1 µs less each)
+            self.parts.append(a.view(np.int64) if a.dtype == np.float64 else
+                              a.astype(np.int64, copy=False))
+            self.n = off + a.shape[0]
+            return a.shape, (1,), off
         a = np.ascontiguousarray(a)
         flat = a.view(np.int64).ravel() if a.dtype == np.float64 else \
             a.astype(np.int64, copy=False).ravel()
-        pad = -self.n % ALIGN  # kernels may load index arrays with vector instructions
-        if pad:
-            self.parts.append(np.zeros(pad, dtype=np.int64))
         self.parts.append(flat)
-        off = self.n + pad
         self.n = off + flat.size
         strides = tuple(int(x) // a.itemsize for x in a.strides) if flat.size else (1,) * a.ndim
         return a.shape, strides, off

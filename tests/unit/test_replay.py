@@ -188,10 +188,10 @@ def test_a_plan_for_another_width_is_refused_as_flashinfer_does(tmp_path: Path, 
 
 @given(st.lists(st.integers(-5, 40), max_size=30), st.lists(st.integers(-5, 40), max_size=30))
 def test_member_is_isin_on_sorted_keys(xs: list[int], keys: list[int]) -> None:
-    from gpu_backend.layout import _member
+    from gpu_backend.layout import member
 
     x, k = np.array(xs, dtype=np.int64), np.sort(np.array(keys, dtype=np.int64))
-    assert _member(x, k).tolist() == np.isin(x, k).tolist()
+    assert member(x, k).tolist() == np.isin(x, k).tolist()
 
 
 

@@ -274,8 +274,11 @@ def _content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
         mask = np.repeat(over[None, :], 2 + nq, axis=0)
         mask[1] = False
         arrays["eng_nan"] = mask[:, :, None, None]
-    a_start = np.concatenate([[0], np.cumsum(np.bincount(b.app_row, minlength=b.num_rows))])
-    q2a = a_start[b.row_of_token] + (np.arange(b.num_tokens) - b.qo_indptr[b.row_of_token])
+    if len(b.app_tokens) == b.num_tokens:  # no device-ahead appends: query t is append t
+        q2a = np.arange(b.num_tokens)
+    else:
+        a_start = np.concatenate([[0], np.cumsum(np.bincount(b.app_row, minlength=b.num_rows))])
+        q2a = a_start[b.row_of_token] + (np.arange(b.num_tokens) - b.qo_indptr[b.row_of_token])
     arrays["q2a"] = q2a
     same = bool(np.array_equal(b.rope_pos, b.true_pos) and not over[q2a].any())
     if not same:
@@ -283,9 +286,14 @@ def _content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
     return bool(over.any()), same
 
 
-def _ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray]
-                ) -> list[RefGroup]:
-    """The reference's batches: the gen rows in one group, each ctx row alone (as before)."""
+def _ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
+                fast: bool = True) -> list[RefGroup]:
+    """The reference's batches: the gen rows in one group, each ctx row alone (as before).
+    fast: a step of equal-width gen rows takes `_identity_group` (the general path is its
+    oracle in tests)."""
+    if fast and not b.is_ctx.any() and b.num_rows and b.q_len[0] > 0 and \
+            (b.q_len == b.q_len[0]).all():
+        return [_identity_group(b, slots, arrays)]
     gen = np.flatnonzero(~b.is_ctx)
     rows_of = ([gen] if gen.size else []) + [np.array([i]) for i in np.flatnonzero(b.is_ctx)]
     out = []
@@ -309,3 +317,15 @@ def _ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray]
                             int(sl[0]) if consecutive else -1, int(limit.min()) + 1, identity,
                             (int(dst[0]), int(dst[-1]) + 1) if run else None))
     return out
+
+
+def _identity_group(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray]) -> RefGroup:
+    """`_ref_groups` of a step of gen rows all W wide (the steady MTP step) without its general
+    index arithmetic: the group is the step in token order, token (r, j) at r * W + j."""
+    R, W = b.num_rows, int(b.q_len[0])
+    j = np.arange(W)
+    limit = b.committed[:, None] + j[None, :]
+    consecutive = R == 1 or bool((np.diff(slots) == 1).all())
+    arrays |= {"g0_limit": limit, "g0_tok": np.arange(R * W).reshape(R, W), "g0_slots": slots}
+    return RefGroup("g0_", R, W, int(b.committed.max()) + W, int(slots[0]) if consecutive else -1,
+                    int(limit.min()) + 1, True, (0, R * W))

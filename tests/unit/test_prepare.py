@@ -125,3 +125,25 @@ def test_the_columns_of_rows_out_of_table_order_are_gathered(trace: TraceData) -
         B = trace.model.page_size
         assert _batches_equal(build_step(s, rows, B, 16, cols=trace.columns[s.step]),
                               build_step(s, rows, B, 16))
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_identity_group_is_the_general_one(tmp_path: Path, name: str) -> None:
+    """`prepare._identity_group` (steady steps of equal-width gen rows) gives the arrays and the
+    group the general `_ref_groups` gives, on every scenario step it takes."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    taken = 0
+    for s in t.steps:
+        if not t.rows[s.step]:
+            continue
+        b = build_step(s, t.rows[s.step], t.model.page_size, 16, cols=t.columns.get(s.step))
+        slots = np.arange(3, 3 + b.num_rows, dtype=np.int64)[::-1 if s.step % 2 else 1].copy()
+        fast: dict[str, np.ndarray] = {}
+        slow: dict[str, np.ndarray] = {}
+        got = prepare._ref_groups(b, slots, fast)
+        assert got == prepare._ref_groups(b, slots, slow, fast=False)
+        assert list(fast) == list(slow)
+        assert all(fast[k].dtype == slow[k].dtype and fast[k].tolist() == slow[k].tolist()
+                   for k in fast)
+        taken += not b.is_ctx.any() and bool((b.q_len == b.q_len[0]).all())
+    assert taken  # steps the fast path takes

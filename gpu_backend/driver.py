@@ -24,8 +24,10 @@ query tokens (a long prompt step) and at the end.
 
 from __future__ import annotations
 
+import gc
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -146,14 +148,29 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     watch: how page changes are found (`gpu_backend.watch`): "incremental" (the step's target
     pages, the whole pool every few steps; replayed again with "full" if a page changed
     elsewhere) or "full" (the whole pool every step). The verdicts are the same."""
-    if watch == "incremental" and not skip:
-        try:
-            return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch)
-        except Unseen as e:
-            res = _replay(trace, kernels, device, tol, {}, on_step, FullWatch)
-            res.watch = f"full (incremental found {e})"
-            return res
-    return _replay(trace, kernels, device, tol, skip or {}, on_step, FullWatch)
+    with _frozen_heap():
+        if watch == "incremental" and not skip:
+            try:
+                return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch)
+            except Unseen as e:
+                res = _replay(trace, kernels, device, tol, {}, on_step, FullWatch)
+                res.watch = f"full (incremental found {e})"
+                return res
+        return _replay(trace, kernels, device, tol, skip or {}, on_step, FullWatch)
+
+
+@contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """The objects that exist before the replay (the trace, torch's, numba's compiled code: some
+    200k) are left out of the garbage collector's full collections until it ends. A full
+    collection over them took 30-100 ms on the H200's host, inside some step, and numba's first
+    compile of `gpu_backend.flatten` doubled that heap. Nothing is lost: unfreeze hands them
+    back to the oldest generation."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,

@@ -245,3 +245,27 @@ def test_no_page_moved_gives_the_verdicts_of_an_all_false_changed(tmp_path: Path
         assert set(none[0].tolist()) <= {OK, MISMATCH, NAN}
         seen |= set(none[0].tolist())
     assert NAN in seen
+
+
+def test_the_heap_is_frozen_during_the_replay_and_handed_back_after(tmp_path: Path) -> None:
+    """The objects from before the replay are out of the collector's way while it runs
+    (`driver._frozen_heap`), and back in its oldest generation after, also when it raises."""
+    import gc
+
+    from gpu_backend.driver import replay
+    from gpu_backend.reference import ReferenceKernels
+
+    t = load_trace(SCENARIOS["clean_mtp"](tmp_path / "t"))
+    seen: list[int] = []
+
+    def on_step(step: int, what: str) -> None:
+        seen.append(gc.get_freeze_count())
+        if step == t.steps[2].step:
+            raise KeyboardInterrupt  # as a user's Ctrl-C in the middle
+
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(KeyboardInterrupt):
+        replay(t, ReferenceKernels(t.model.num_q_heads, t.model.num_blocks), "cpu",
+               on_step=on_step)
+    assert seen and min(seen) > 0
+    assert gc.get_freeze_count() == 0

@@ -164,8 +164,8 @@ def _frozen_heap() -> Iterator[None]:
     """The objects that exist before the replay (the trace, torch's, numba's compiled code: some
     200k) are left out of the garbage collector's full collections until it ends. A full
     collection over them took 20-60 ms on a 2-core development machine, inside some step, and
-    numba's first compile of `gpu_backend.flatten` doubled that heap. Nothing is lost: unfreeze hands them
-    back to the oldest generation."""
+    numba's first compile of `gpu_backend.flatten` doubled that heap. Nothing is lost: unfreeze
+    hands them back to the oldest generation."""
     gc.freeze()
     try:
         yield

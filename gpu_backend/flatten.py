@@ -1,9 +1,10 @@
 """`layout.build_step`'s per-token and per-page work as one compiled (numba) pass.
 
-Why: the numpy flattening is ~40 small array operations a step, ~0.2 ms of host at batch 64
-whatever the batch's size, and the replay's host is the bottleneck end to end (docs/gpu.md,
-round 12). One loop over the rows writes every array at once. `layout.build_step` with
-`compiled=False` is the numpy oracle this is tested against (tests/unit/test_flatten.py).
+Why: the numpy flattening is ~40 small array operations a step (~0.15 ms of host at batch 64
+x kv 2k on a development machine, twice that on the H200's host), and the replay's host is its
+bottleneck end to end (docs/gpu.md, round 12). One loop over the rows writes every array at
+once. `layout.build_step` with `compiled=False` is the numpy oracle this is tested against
+(tests/unit/test_flatten.py).
 """
 
 from __future__ import annotations

@@ -247,7 +247,7 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
         app_tokens=c["tokens"], rope_pos=c["rope_pos"], append_pos=c["append_pos"],
         committed=c["committed"], new_tokens=c["new_tokens"],
         xqa_indptr=xp.astype(I32), xqa_indices=(xi + guard).astype(I32),
-        xqa_last_page_len=xl.astype(I32), runs=_runs_of(c["is_ctx"], c["q_len"]), **f)
+        xqa_last_page_len=xl.astype(I32), runs=_runs(c["is_ctx"], c["q_len"]), **f)
 
 
 def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
@@ -298,26 +298,14 @@ def _flat_numpy(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndar
 def launch_runs(b: StepBatch) -> list[tuple[int, int, str]]:
     """Maximal runs [s, e) of rows one kernel launches: 'decode' (gen, q_len 1) | 'verify' |
     'ctx'. Both backends split a step the same way."""
-    return list(b.runs) if b.runs else _runs(b.is_ctx.tolist(), b.q_len.tolist())
-
-
-def _runs(is_ctx: list[bool], q_len: list[int]) -> list[tuple[int, int, str]]:
-    kind = ["ctx" if c else ("decode" if q == 1 else "verify")
-            for c, q in zip(is_ctx, q_len, strict=True)]
-    out: list[tuple[int, int, str]] = []
-    for i, k in enumerate(kind):
-        if out and out[-1][2] == k:
-            out[-1] = (out[-1][0], i + 1, k)
-        else:
-            out.append((i, i + 1, k))
-    return out
+    return list(b.runs) if b.runs else list(_runs(b.is_ctx, b.q_len))
 
 
 _KINDS = ("ctx", "decode", "verify")
 
 
-def _runs_of(is_ctx: np.ndarray, q_len: np.ndarray) -> tuple[tuple[int, int, str], ...]:
-    """`_runs` on arrays: the kinds' change points found in numpy (a 64-row step walked in
+def _runs(is_ctx: np.ndarray, q_len: np.ndarray) -> tuple[tuple[int, int, str], ...]:
+    """`launch_runs` of rows: the kinds' change points found in numpy (a 64-row step walked in
     Python took ~20 µs)."""
     kind = np.where(is_ctx, 0, np.where(q_len == 1, 1, 2))
     cut = np.flatnonzero(np.diff(kind)) + 1

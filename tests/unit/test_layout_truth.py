@@ -1,6 +1,7 @@
-"""`layout._truth_writes` against its definition: a row may write a page when it is one of the
-row's own blocks (past its shared prefix, allocated, not shared); the fast path only looks up
-the writes that miss the page the truth names."""
+"""`layout._truth_writes` and `layout._runs` against their definitions. A row may write a page
+when it is one of the row's own blocks (past its shared prefix, allocated, not shared); the fast
+path only looks up the writes that miss the page the truth names. Launch runs are the maximal
+runs of rows of one kind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_backend.layout import _ragged, _truth_writes
+from gpu_backend.layout import _ragged, _runs, _truth_writes
 
 B, GUARD = 4, 3
 
@@ -65,3 +66,23 @@ def test_write_ok_is_the_rows_own_pages(case: tuple[dict[str, np.ndarray], np.nd
     c, row, true_pos, eng, shared = case
     _, write_ok, _, _ = _truth_writes(c, B, GUARD, row, true_pos, eng, shared)
     assert write_ok.tolist() == _definition(c, row, true_pos, eng, shared).tolist()
+
+
+def _runs_by_row(is_ctx: list[bool], q_len: list[int]) -> list[tuple[int, int, str]]:
+    """Launch runs as first written: walk the rows, extend the run while the kind stays."""
+    out: list[tuple[int, int, str]] = []
+    for i, (c, q) in enumerate(zip(is_ctx, q_len, strict=True)):
+        k = "ctx" if c else ("decode" if q == 1 else "verify")
+        if out and out[-1][2] == k:
+            out[-1] = (out[-1][0], i + 1, k)
+        else:
+            out.append((i, i + 1, k))
+    return out
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 4)), max_size=12))
+def test_launch_runs_are_the_rows_walked(rows: list[tuple[bool, int]]) -> None:
+    is_ctx = [c for c, _ in rows]
+    q_len = [q for _, q in rows]
+    got = _runs(np.array(is_ctx, dtype=bool), np.array(q_len, dtype=np.int64))
+    assert list(got) == _runs_by_row(is_ctx, q_len)

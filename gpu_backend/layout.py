@@ -177,33 +177,19 @@ def _truth_writes(c: Columns, B: int, guard: int, row_of_token: np.ndarray,
                     if len(alloc) else -1, -1)
     page = np.where(page >= 0, page + guard, -1)
     mine = (page >= 0) & (blk >= lead[row_of_token]) & ~np.isin(page - guard, shared)
-    # An engine write to the very page the truth names, when that page is the row's own, is
-    # allowed; only the others are looked up among all the row's own pages (`_owns`), so a
-    # correct step costs per token, not per page of the batch (~0.3 ms at batch 64 x kv 8k)
-    write_ok = mine & (eng == page)
-    doubt = ~write_ok & (eng >= 0)
-    if doubt.any():
-        write_ok[doubt] = _owns(c, ptr, guard, shared, row_of_token[doubt], eng[doubt])
+    # pages of each row's own non-shared blocks, keyed by row: may the engine's write go there?
+    # (the definition, over every page of the batch: this is the compiled pass's oracle)
+    own_row = np.repeat(np.arange(len(n_alloc)), n_alloc)
+    own_ok = (np.arange(len(alloc)) - ptr[own_row] >= lead[own_row]) & (alloc >= 0)
+    own_ok &= ~np.isin(alloc, shared)
+    big = 1 << 32
+    own_keys = np.sort(own_row[own_ok] * big + alloc[own_ok] + guard)
+    write_ok = member(row_of_token.astype(np.int64) * big + eng, own_keys) & (eng >= 0)
     gen = c["is_gen"][row_of_token]
     new = c["new_tokens"][row_of_token]
     committed = c["committed"][row_of_token]
     rej = gen & (true_pos - committed >= new) & (page >= 0)
     return (np.unique(page[mine]), write_ok, page[rej], true_pos[rej] % B)
-
-
-def _owns(c: Columns, ptr: np.ndarray, guard: int, shared: np.ndarray, row: np.ndarray,
-          page: np.ndarray) -> np.ndarray:
-    """Is pool page `page[i]` one of row `row[i]`'s own blocks (past its shared prefix, not
-    shared, allocated)? One sorted (row, page) key per block of the rows asked about."""
-    rows = np.unique(row).astype(np.int64)  # row ids are int32: keys need 64 bits
-    n = c["alloc_len"][rows]
-    rr, i = _ragged(n)
-    rr = rows[rr]
-    alloc = c["alloc"][ptr[rr] + i]
-    ok = (i >= c["shared_blocks"][rr]) & (alloc >= 0) & ~np.isin(alloc, shared)
-    big = 1 << 32
-    keys = np.sort(rr[ok] * big + alloc[ok] + guard)
-    return member(row.astype(np.int64) * big + page, keys)
 
 
 def _check_lengths(rows: list[RowRecord], c: Columns) -> None:

@@ -1,7 +1,6 @@
-"""`layout._truth_writes` and `layout._runs` against their definitions. A row may write a page
-when it is one of the row's own blocks (past its shared prefix, allocated, not shared); the fast
-path only looks up the writes that miss the page the truth names. Launch runs are the maximal
-runs of rows of one kind."""
+"""`layout._truth_writes` and `layout._runs` against their definitions, written out row by row.
+A row may write a page when it is one of the row's own blocks (past its shared prefix,
+allocated, not shared). Launch runs are the maximal runs of rows of one kind."""
 
 from __future__ import annotations
 

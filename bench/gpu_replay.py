@@ -18,6 +18,12 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
   generation steps' preparation done before it) / kernels: what a user's replay of the
   generation steps costs, preparation included.
+- workers (one more pass, `--workers N`, by default what `kvsim replay` uses on the host: 4
+  where there are 6 cores or more): pipelined with the preparation in N forked processes
+  (`gpu_backend.workers`); `workers.ratio_end_to_end` = (its wall + the loop's wait for its
+  first chunks, less the workers' start and the prompt step's preparation) / kernels;
+  `workers.start_ms` is the start (forks, numba's load) left out of it. Every other pass
+  prepares on the loop's thread (`workers=0`), as before 2026-12-01's round 13.
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
@@ -52,6 +58,7 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import pstats
@@ -68,37 +75,43 @@ from gpu_backend.calibrate import meta
 from gpu_backend.driver import ReplayResult, max_ok_error, replay
 from gpu_backend.replay import FlashInferKernels
 from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.workers import default_workers
 
 WATCH = ["incremental"]  # every pass's page watch (--watch)
 GRAPHS = [True]  # steady steps as CUDA graphs (--eager: False)
+WORKERS = [0]  # preparation processes of the workers pass (--workers; 0: no such pass)
 
 
 def _kernels(trace: TraceData, timing: bool = False) -> FlashInferKernels:
     return FlashInferKernels(trace.model.num_q_heads, "cuda", timing=timing, graphs=GRAPHS[0])
 
 
-def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
-              ) -> tuple[float, float, float, ReplayResult]:
+def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True, workers: int = 0
+              ) -> tuple[float, float, float, ReplayResult, float]:
     """(ms per step from `first` to `last`, ms per step the host waited for the device inside
-    those steps, ms per step of host preparation inside them, result) of one untimed replay.
+    those steps, ms per step of host preparation inside them, result, ms the loop spent getting
+    its prepared steps before `first`) of one untimed replay.
     The wait is the time the host sat in FlashInfer-plan fences (the only waits in a step):
     wall - wait is the host's own time. ahead: every step prepared before the first, in
     chunks of `prepare.CHUNK_WORDS` only; else one chunk of `prepare.CHUNK_STEPS` ahead, the
-    later steps between the timed ones. Preparation inside the timed steps is counted here."""
+    later steps between the timed ones. Preparation inside the timed steps is counted here.
+    workers: preparation processes (`gpu_backend.workers`; 0: the loop's thread)."""
     marks: dict[str, float] = {}
-    prep = {"on": 0.0, "s": 0.0}
+    prep = {"on": 0.0, "s": 0.0, "pre": 0.0}
     k = _kernels(trace)
     real = driver.prepared_steps
 
     def timed_steps(*a: Any, **kw: Any) -> Any:
-        it = real(*a, **kw)
-        while True:
-            t0 = time.perf_counter()
-            p = next(it, None)
-            prep["s"] += (time.perf_counter() - t0) * prep["on"]
-            if p is None:
-                return
-            yield p
+        with contextlib.closing(real(*a, **kw)) as it:
+            while True:
+                t0 = time.perf_counter()
+                p = next(it, None)
+                dt = time.perf_counter() - t0
+                prep["s"] += dt * prep["on"]
+                prep["pre"] += dt * ("start" not in marks)
+                if p is None:
+                    return
+                yield p
 
     def on_step(step: int, what: str) -> None:
         if (step, what) in ((first, "start"), (last, "done")):
@@ -111,19 +124,37 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
     chunk = prepare.CHUNK_STEPS
     prepare.CHUNK_STEPS = 1 << 30 if ahead else chunk
     try:
-        res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
+        res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0], workers=workers)
     finally:
         driver.prepared_steps = real  # type: ignore[assignment]
         prepare.CHUNK_STEPS = chunk
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
-            (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res)
+            (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res,
+            prep["pre"] * 1e3)
+
+
+def workers_pass(trace: TraceData, first: int, last: int, serial: ReplayResult
+                 ) -> dict[str, Any]:
+    """The pipelined pass with the preparation in WORKERS[0] processes. `before_ms_per_step`:
+    the loop's wait for its first prepared chunks before `first` (chunk 0 holds the prompt
+    step: that step's preparation in its worker is taken out, and so is the workers' start, which
+    is reported as `start_ms`), spread over the timed steps."""
+    wall, _, pin, res, pre = wall_pass(trace, first, last, ahead=False, workers=WORKERS[0])
+    n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
+    start = res.stats["prepare_start_s"] * 1e3
+    prompt = sum(v for k, v in res.prepare_step_s.items() if k < first) * 1e3
+    return {"n": WORKERS[0], "wall_ms_per_step": wall, "prepare_in_wall_ms_per_step": pin,
+            "start_ms": start, "before_ms_per_step": max(pre - start - prompt, 0.0) / n,
+            "worker_prepare_gen_ms_per_step":
+                sum(v for k, v in res.prepare_step_s.items() if k >= first) * 1e3 / n,
+            "same_verdicts": [r.verdict for r in res.rows] == [r.verdict for r in serial.rows]}
 
 
 def kernel_pass(trace: TraceData) -> list[float]:
     """Per generation step, the device ms of its append + attention launches."""
     k = _kernels(trace, timing=True)
-    replay(trace, k, "cuda", watch=WATCH[0])
+    replay(trace, k, "cuda", watch=WATCH[0], workers=0)
     return k.kernel_ms()[1:]
 
 
@@ -138,7 +169,7 @@ def profile_pass(trace: TraceData, first: int, last: int) -> None:
             prof.disable()
 
     replay(trace, _kernels(trace), "cuda", on_step=on_step,
-           watch=WATCH[0])
+           watch=WATCH[0], workers=0)
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(45)
     pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
@@ -218,7 +249,7 @@ def phases_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
 
     try:
         replay(trace, _kernels(trace), "cuda",
-               on_step=on_step, watch=WATCH[0])
+               on_step=on_step, watch=WATCH[0], workers=0)
     finally:
         for obj, attr, fn in saved:
             setattr(obj, attr, fn)
@@ -246,7 +277,7 @@ def device_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
                 prof.stop()
 
     replay(trace, _kernels(trace), "cuda", on_step=on_step,
-           watch=WATCH[0])
+           watch=WATCH[0], workers=0)
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     tot: dict[str, float] = {}
     for e in prof.key_averages():
@@ -267,10 +298,11 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     trace = load_trace(path)
     first, last = trace.steps[1].step, trace.steps[-1].step
     replay(trace, _kernels(trace), "cuda",
-           watch=WATCH[0])  # JIT, warm-up
-    wall, wait, pin, res = wall_pass(trace, first, last)
-    wall2, wait2, pin2, res2 = wall_pass(trace, first, last)
-    wall_p, _, pin_p, res_p = wall_pass(trace, first, last, ahead=False)
+           watch=WATCH[0], workers=0)  # JIT, warm-up
+    wall, wait, pin, res, _ = wall_pass(trace, first, last)
+    wall2, wait2, pin2, res2, _ = wall_pass(trace, first, last)
+    wall_p, _, pin_p, res_p, _ = wall_pass(trace, first, last, ahead=False)
+    par = workers_pass(trace, first, last, res) if WORKERS[0] else None
     ms = kernel_pass(trace)
     ph = phases_pass(trace, first, last) if phases else None
     dev = device_pass(trace, first, last) if device else None
@@ -305,6 +337,9 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
                       "same_verdicts": [r.verdict for r in res.rows] ==
                       [r.verdict for r in res2.rows]},
            "kernel_ms_min_max": [min(ms), max(ms)]}
+    if par is not None:
+        out["workers"] = par | {"ratio_end_to_end": (par["wall_ms_per_step"] +
+                                                     par["before_ms_per_step"]) / kern}
     if ph is not None:
         out["phases_us_per_step"] = ph
     if dev is not None:
@@ -328,7 +363,9 @@ def sweep(sizes: str, work: Path, device: bool = False, steps: int = 12
               f"{r['kernel_ms_per_step']:.3f}, ratio {r['ratio']:.2f}x "
               f"(repeat {r['repeat']['ratio']:.2f}x), end to end with preparation "
               f"{r['pipelined']['ratio_end_to_end']:.2f}x pipelined, "
-              f"{r['ratio_gen_incl_prepare']:.2f}x all ahead, {r['counts']}", flush=True)
+              f"{r['ratio_gen_incl_prepare']:.2f}x all ahead"
+              + (f", {r['workers']['ratio_end_to_end']:.2f}x with {r['workers']['n']} workers"
+                 if "workers" in r else "") + f", {r['counts']}", flush=True)
         out.append({"batch": batch, "kv": kv} | r)
         torch.cuda.empty_cache()
     return out
@@ -351,6 +388,9 @@ def main() -> None:
                     help="--sweep: generation steps of the benchmark trace (default 12)")
     ap.add_argument("--device-time", action="store_true",
                     help="one more pass: device µs per generation step by kernel (torch profiler)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="one more pipelined pass with the preparation in this many processes "
+                    "(gpu_backend/workers.py; default: what a replay on this host uses, 0: none)")
     ap.add_argument("--sweep", metavar="BxKV,...",
                     help="instead of TRACE: the benchmark trace at each batch x kv_len, written "
                     "under --work (e.g. 64x2048,128x8192)")
@@ -368,6 +408,7 @@ def main() -> None:
                                         capture_output=True, text=True).stdout.strip()
     WATCH[0] = a.watch
     GRAPHS[0] = not a.eager
+    WORKERS[0] = default_workers("cuda") if a.workers is None else a.workers
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
     out["commit"], out["watch"], out["graphs"] = commit, a.watch, not a.eager
     if a.sweep:

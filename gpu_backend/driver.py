@@ -27,7 +27,7 @@ from __future__ import annotations
 import gc
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +50,7 @@ from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.tracedata import TraceData
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
+from gpu_backend.workers import default_workers
 from sim.trace.records import RowRecord
 
 GUARD_PAGES = 16
@@ -142,21 +143,24 @@ def apply_events(pool: KVPool, trace: TraceData, step: int,
 def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float = DEFAULT_TOL,
            skip: dict[int, str] | None = None,
            on_step: Callable[[int, str], None] | None = None,
-           watch: str = "incremental") -> ReplayResult:
+           watch: str = "incremental", workers: int | None = None) -> ReplayResult:
     """Replay every step of `trace`. `skip` maps steps not to run to a fault message (--isolate);
     `on_step(step, "start"|"done")` is called around each step (the child's progress report).
     watch: how page changes are found (`gpu_backend.watch`): "incremental" (the step's target
     pages, the whole pool every few steps; replayed again with "full" if a page changed
-    elsewhere) or "full" (the whole pool every step). The verdicts are the same."""
+    elsewhere) or "full" (the whole pool every step). The verdicts are the same.
+    workers: processes that prepare the steps beside the loop (`gpu_backend.workers`; 0: the
+    loop's own thread does); None: `workers.default_workers(device)`."""
+    n = default_workers(device) if workers is None else workers
     with _frozen_heap():
         if watch == "incremental" and not skip:
             try:
-                return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch)
+                return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch, n)
             except Unseen as e:
-                res = _replay(trace, kernels, device, tol, {}, on_step, FullWatch)
+                res = _replay(trace, kernels, device, tol, {}, on_step, FullWatch, n)
                 res.watch = f"full (incremental found {e})"
                 return res
-        return _replay(trace, kernels, device, tol, skip or {}, on_step, FullWatch)
+        return _replay(trace, kernels, device, tol, skip or {}, on_step, FullWatch, n)
 
 
 @contextmanager
@@ -175,7 +179,7 @@ def _frozen_heap() -> Iterator[None]:
 
 def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,
             skip: dict[int, str], on_step: Callable[[int, str], None] | None,
-            make_watch: Callable[[KVPool], Watch]) -> ReplayResult:
+            make_watch: Callable[[KVPool], Watch], workers: int) -> ReplayResult:
     m = trace.model
     dt = torch_dtype(m.dtype)
     pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt, device)
@@ -187,18 +191,36 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     state = HostState(trace, GUARD_PAGES, m.max_position, last=last,
                       free=list(range(slots))[::-1], graphs=graphs is not None)
     res = ReplayResult(kernels.name, str(trace.path), tol)
+    res.watch = watch.name
+    with closing(prepared_steps(trace, state, device, workers)) as steps:  # stops the workers
+        _loop(trace, kernels, pool, truth, watch, graphs, steps, res, skip, on_step)
+    res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
+    res.stats["prepare_workers"] = workers
+    res.stats["prepare_start_s"] = state.start_seconds
+    stats = getattr(kernels, "stats", None)
+    if callable(stats):
+        res.stats |= stats()
+    if graphs is not None:
+        res.stats |= graphs.stats()
+    return res
+
+
+def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, watch: Watch,
+          graphs: StepGraphs | None, steps: Iterator[Prepared],
+          res: ReplayResult, skip: dict[int, str],
+          on_step: Callable[[int, str], None] | None) -> None:
+    """Every prepared step: queue its device work, read back and judge the steps before it."""
     pending: list[Pending] = []
     sent: deque[Sent] = deque()
     tokens = since = 0
-    res.watch = watch.name
-    steps = prepared_steps(trace, state, device)
     nxt = next(steps, None)
     while nxt is not None:
         p, nxt = nxt, next(steps, None)  # the next step's touched pages are checked ahead
         if on_step:
             on_step(p.step.step, "start")
         pending.append(_graph_step(graphs, pool, p, nxt, watch)
-                       or _eager_step(pool, truth, kernels, p, nxt, watch, skip, m.num_q_heads))
+                       or _eager_step(pool, truth, kernels, p, nxt, watch, skip,
+                                      trace.model.num_q_heads))
         tokens += p.b.num_tokens
         since += 1
         settle = since >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None
@@ -213,13 +235,6 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
             _drain(res, sent, watch)
         if on_step:
             on_step(p.step.step, "done")
-    res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
-    stats = getattr(kernels, "stats", None)
-    if callable(stats):
-        res.stats = stats()
-    if graphs is not None:
-        res.stats |= graphs.stats()
-    return res
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -89,12 +89,13 @@ class HostState:
     free: list[int] = field(default_factory=list)
     last: dict[int, int] = field(default_factory=dict)
     seconds: float = 0.0
-    step_seconds: dict[int, float] = field(default_factory=dict)  # step -> its `_prepare` time
+    step_seconds: dict[int, float] = field(default_factory=dict)  # step -> its `prepare_step` time
     # the last prepared step's rewind (pool rows, pages): applied before the next step's events
     rewind: tuple[np.ndarray, np.ndarray] | None = None
     graphs: bool = False  # lay out the steady steps' inputs for `graphs.StepGraphs`
     graph_caps: dict[tuple[int, int], GraphKey] = field(default_factory=dict)
     prev_step: int = -1  # the step prepared last
+    start_seconds: float = 0.0  # of `seconds`: starting the preparation workers, if any
 
 
 def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
@@ -117,12 +118,18 @@ def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
     return max(peak, 1), span, last
 
 
-def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str
-                   ) -> Iterator[Prepared]:
+def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str,
+                   workers: int = 0) -> Generator[Prepared, None, None]:
     """The trace's steps with rows, prepared and staged a chunk at a time, one chunk ahead: once
     the first chunk is staged, every step handed out follows the preparation of one step of the
     next chunk. The host's preparation is spread between the steps the device runs, instead of
-    stalling it a whole chunk at a time."""
+    stalling it a whole chunk at a time. workers > 0: prepared by that many worker processes
+    (`gpu_backend.workers`), the same steps."""
+    if workers > 0:
+        from gpu_backend.workers import worker_steps
+
+        yield from worker_steps(trace, state, device, workers)
+        return
     flight = in_flight_poison(trace)
     chunk, batch = Chunk(device), []
     ready: deque[Prepared] = deque()
@@ -131,7 +138,7 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
         if not rows:
             continue  # as the old loop: such a step's events are not applied
         t0 = time.perf_counter()
-        batch.append(_prepare(state, s, rows, flight, chunk))
+        batch.append(prepare_step(state, s, rows, flight, chunk))
         state.step_seconds[s.step] = time.perf_counter() - t0
         if chunk.n >= CHUNK_WORDS or len(batch) >= CHUNK_STEPS:
             chunk.upload()
@@ -148,7 +155,7 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
     yield from ready
 
 
-def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
+def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
              chunk: Chunk) -> Prepared:
     arrays: dict[str, np.ndarray] = {}
     ops, touched = event_ops(st.trace, s.step, st.guard, st.refcount, flight, arrays, st.shared)
@@ -170,19 +177,47 @@ def _prepare(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlig
                          not fill and not eng_nan and same and q_identity, groups) \
         if st.graphs else None
     st.prev_step = b.step
-    st.rewind = None
-    if b.reject_page.size:
-        pz = st.trace.model.page_size
-        base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
-        st.rewind = (np.concatenate([base, base + pz]), np.unique(b.reject_page))
-    for req in b.requests.tolist():  # release: the slot is free for the next step's admissions
-        if st.last.get(req) == b.step and req in st.slot:
-            st.free.append(st.slot.pop(req))
+    _rewind(st, b)
+    _release(st, b.step, b.requests.tolist())
     dv = stage(chunk, arrays)
     if graph is not None:
         graphs.span(dv)
     return Prepared(s, rows, b, dv, ops, bool(touched), fill, eng_nan, same, q_identity, groups,
                     wpages, wcheck, graph)
+
+
+def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
+            rewind: bool) -> None:
+    """Move the host state past step s without preparing it (`gpu_backend.workers`: a worker
+    walks the other workers' steps this way): the block refcounts and shared blocks, the truth
+    slots, the step order. rewind: also the step's rejected drafts, which the next step's pool
+    operations need (only when this worker prepares the next step: it builds the step's batch)."""
+    event_ops(st.trace, s.step, st.guard, st.refcount, flight, {}, st.shared)
+    requests = [r.request for r in rows]
+    _take_slots(st, requests, [r.committed for r in rows])
+    st.prev_step = s.step
+    st.rewind = None
+    if rewind:
+        shared = np.fromiter(st.shared, np.int64, len(st.shared))
+        _rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,
+                               st.trace.columns.get(s.step)))
+    _release(st, s.step, requests)
+
+
+def _rewind(st: HostState, b: StepBatch) -> None:
+    """The step's rejected-draft slots as pool rows, for the next step's `_pool_ops`."""
+    st.rewind = None
+    if b.reject_page.size:
+        pz = st.trace.model.page_size
+        base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
+        st.rewind = (np.concatenate([base, base + pz]), np.unique(b.reject_page))
+
+
+def _release(st: HostState, step: int, requests: list[int]) -> None:
+    """A request's slot is free for the next step's admissions after its last step."""
+    for req in requests:
+        if st.last.get(req) == step and req in st.slot:
+            st.free.append(st.slot.pop(req))
 
 
 def _targets(b: StepBatch, pages: int, touched: list[int]) -> tuple[np.ndarray, int]:
@@ -224,18 +259,11 @@ def _admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[
     (prompt tokens 0..committed-1) written into the store (`fill_*` arrays)."""
     fs: list[np.ndarray] = []
     ft: list[np.ndarray] = []
-    for req, committed in zip(b.requests.tolist(), b.committed.tolist(), strict=True):
-        if req in st.slot:
-            continue
-        st.slot[req] = s = st.free.pop()
-        if committed > 0:
-            toks = st.trace.prompts.get(req, ())
-            if len(toks) < committed:
-                raise TraceError(f"request {req} starts at committed {committed} but "
-                                 f"requests.parquet holds {len(toks)} of its tokens")
-            fs.append(np.full(committed, s, dtype=np.int64))
-            ft.append(np.asarray(toks[:committed], dtype=np.int64))
-    slots = np.array([st.slot[r] for r in b.requests.tolist()], dtype=np.int64)
+    requests = b.requests.tolist()
+    for s, toks in _take_slots(st, requests, b.committed.tolist()):
+        fs.append(np.full(len(toks), s, dtype=np.int64))
+        ft.append(np.asarray(toks, dtype=np.int64))
+    slots = np.array([st.slot[r] for r in requests], dtype=np.int64)
     if not fs:
         return slots, False
     pos = np.concatenate([np.arange(len(t)) for t in ft])
@@ -243,6 +271,24 @@ def _admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[
     arrays |= {"fill_slot": np.concatenate(fs), "fill_pos": pos, "fill_tok_m": mod_m(tok),
                "fill_pos_m": mod_m(pos)}
     return slots, True
+
+
+def _take_slots(st: HostState, requests: list[int], committed: list[int]
+                ) -> list[tuple[int, tuple[int, ...]]]:
+    """Give the step's new requests truth slots; returns (slot, prefix tokens) of those that
+    start at committed > 0."""
+    out = []
+    for req, n in zip(requests, committed, strict=True):
+        if req in st.slot:
+            continue
+        st.slot[req] = s = st.free.pop()
+        if n > 0:
+            toks = st.trace.prompts.get(req, ())
+            if len(toks) < n:
+                raise TraceError(f"request {req} starts at committed {n} but "
+                                 f"requests.parquet holds {len(toks)} of its tokens")
+            out.append((s, toks[:n]))
+    return out
 
 
 def _step_arrays(b: StepBatch, slots: np.ndarray) -> dict[str, np.ndarray]:

@@ -42,10 +42,12 @@ def make_kernels(backend: str, trace: TraceData, timing: bool = False,
 
 def run_replay(trace_dir: str | Path, backend: str, tol: float,
                skip: dict[int, str] | None = None, on_step: Any = None,
-               watch: str = "incremental", graphs: bool = True) -> ReplayResult:
+               watch: str = "incremental", graphs: bool = True,
+               workers: int | None = None) -> ReplayResult:
     trace = load_trace(trace_dir)
     kernels, device = make_kernels(backend, trace, graphs=graphs)
-    return replay(trace, kernels, device, tol, skip=skip, on_step=on_step, watch=watch)
+    return replay(trace, kernels, device, tol, skip=skip, on_step=on_step, watch=watch,
+                  workers=workers)
 
 
 def to_json(res: ReplayResult) -> dict[str, Any]:

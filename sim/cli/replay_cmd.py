@@ -44,6 +44,11 @@ def register(app: typer.Typer) -> None:
                                    "width) replays as a CUDA graph: the same kernels and "
                                    "verdicts, 1.2-2x less wall time a step at batch 64 x kv 2k "
                                    "on the H200 (docs/gpu.md round 10)"),
+        prepare_workers: int | None = typer.Option(
+            None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
+            "(default: 4 on a GPU host with 6 cores or more, else 0 = the loop prepares them "
+            "itself). The same verdicts; at batch 64 x kv 2k the preparation costs the host "
+            "more than the device's step (docs/gpu.md round 13)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()
@@ -53,7 +58,7 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] --watch {watch!r}: choose incremental or full")
             raise typer.Exit(2)
         try:
-            res = _run(trace_dir, backend, isolate, tol, watch, not eager)
+            res = _run(trace_dir, backend, isolate, tol, watch, not eager, prepare_workers)
         except KvsimError as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None
@@ -66,7 +71,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch: str,
-         graphs: bool = True) -> Any:
+         graphs: bool = True, workers: int | None = None) -> Any:
     from gpu_backend.oracle import DEFAULT_TOL
 
     tol = DEFAULT_TOL if tol is None else tol
@@ -82,7 +87,8 @@ def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch:
         current["step"] = step
 
     try:
-        return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch, graphs=graphs)
+        return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch, graphs=graphs,
+                          workers=workers)
     except RuntimeError as e:  # a CUDA fault: the context is gone, say where and how to go on
         raise KvsimError(f"device fault during step {current['step']} ({str(e)[:200]}); "
                          "rerun with --isolate to attribute it and carry on") from None

@@ -237,6 +237,25 @@ EXPECTED: dict[str, dict[tuple[int, int], str]] = {
 }
 
 
+ROOT = Path(__file__).resolve().parents[2]
+# the fault catalog's scenarios (kvsim run of each, `fault_trace`)
+FAULTS = sorted(p.stem for p in (ROOT / "scenarios" / "faults").glob("*.toml"))
+
+
+def fault_trace(tmp: Path, fault: str) -> Path:
+    """The trace of the catalog's scenario for `fault`, written under tmp."""
+    from sim.api import load_scenario, run
+
+    sc, base = load_scenario(ROOT / "scenarios" / "faults" / f"{fault}.toml")
+    run(sc, out=tmp / fault, profile=f"trtllm-post-17264+{fault}", base_dir=base)
+    return tmp / fault
+
+
+def any_trace(tmp: Path, name: str) -> Path:
+    """A replay scenario's trace or a fault's, by name."""
+    return SCENARIOS[name](tmp / name) if name in SCENARIOS else fault_trace(tmp, name)
+
+
 def write_all(out: Path) -> dict[str, Path]:
     return {name: fn(out / name) for name, fn in SCENARIOS.items()}
 

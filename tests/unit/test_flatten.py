@@ -11,13 +11,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from replay_traces import SCENARIOS
+from replay_traces import FAULTS, SCENARIOS, any_trace
 
 from gpu_backend.layout import _FLAT, _flat_compiled, _flat_indices, _flat_numpy, build_step
 from gpu_backend.tracedata import load_trace
-
-ROOT = Path(__file__).resolve().parents[2]
-FAULTS = sorted(p.stem for p in (ROOT / "scenarios" / "faults").glob("*.toml"))
 
 
 def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
@@ -65,18 +62,9 @@ def test_the_compiled_pass_gives_the_numpy_arrays(case: tuple[dict[str, np.ndarr
           _flat_numpy(c, indptr, ind, shared, B, guard))
 
 
-def _fault_trace(tmp: Path, fault: str) -> Path:
-    from sim.api import load_scenario, run
-
-    sc, base = load_scenario(ROOT / "scenarios" / "faults" / f"{fault}.toml")
-    run(sc, out=tmp / fault, profile=f"trtllm-post-17264+{fault}", base_dir=base)
-    return tmp / fault
-
-
 @pytest.mark.parametrize("name", [*sorted(SCENARIOS), *FAULTS])
 def test_every_step_flattens_the_same_compiled(tmp_path: Path, name: str) -> None:
-    path = SCENARIOS[name](tmp_path / name) if name in SCENARIOS else _fault_trace(tmp_path, name)
-    t = load_trace(path)
+    t = load_trace(any_trace(tmp_path, name))
     pages = sorted({p for rows in t.rows.values() for r in rows for p in r.alloc if p >= 0})
     for i, s in enumerate(t.steps):
         rows = t.rows[s.step]

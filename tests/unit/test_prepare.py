@@ -37,13 +37,13 @@ def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,
     before each step is handed out, and the last chunk's steps follow once all are prepared."""
     monkeypatch.setattr(prepare, "CHUNK_STEPS", 3)
     made: list[int] = []
-    real = prepare._prepare
+    real = prepare.prepare_step
 
     def counted(*a: Any) -> Prepared:
         made.append(a[1].step)
         return real(*a)
 
-    monkeypatch.setattr(prepare, "_prepare", counted)
+    monkeypatch.setattr(prepare, "prepare_step", counted)
     seen = [len(made) for _ in prepared_steps(trace, _state(trace), "cpu")]
     n = len(trace.steps)
     assert n == 10 and seen == [min(3 + i, n) for i in range(n)]

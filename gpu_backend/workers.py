@@ -1,0 +1,182 @@
+"""The replay's preparation (`gpu_backend.prepare`) in worker processes, beside the step loop.
+
+Why: at batch 64 x kv 2k the device runs a step in ~0.32 ms, and preparing one took the H200's
+host 0.6-1.0 ms on the loop's own thread (docs/gpu.md, round 12): the replay was bound by the
+host's preparation end to end. Here N forked workers prepare it while the loop only launches.
+
+The steps (those with rows) are cut into chunks of `prepare.CHUNK_STEPS`; worker w prepares the
+chunks c with c % N == w. A chunk's preparation needs the host state of the steps before it
+(block refcounts, truth slots, the last step's rewind), so every worker walks every step, the
+other workers' ones cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk
+travels as its staged words (`staging.Chunk.words`, read on arrival straight into pinned memory)
+and the steps' metadata (pickled `Prepared` fields, ~60 kB a step at 64 x 2k). The loop receives
+the chunks in order, one ahead of the steps it hands out, as `prepare.prepared_steps` does.
+
+Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
+few more CUDA graphs than one process would; the arrays, events and verdicts are the same
+(tests/unit/test_workers.py). The workers are forked: they inherit the loaded trace and never
+touch CUDA (staging in a worker is numpy only).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from collections.abc import Generator, Iterator
+from dataclasses import fields
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gpu_backend import prepare
+from gpu_backend.events import InFlight, in_flight_poison
+from gpu_backend.layout import build_step
+from gpu_backend.prepare import HostState, Prepared
+from gpu_backend.staging import Chunk, StepArrays
+from gpu_backend.tracedata import TraceData
+from sim.errors import KvsimError
+from sim.trace.records import StepRecord
+
+# Prepared's fields after (step, rows, b, dv): shipped as they are
+_REST = [f.name for f in fields(Prepared)][4:]
+
+
+def default_workers(device: torch.device | str) -> int:
+    """Workers a replay on `device` uses unless told: 4 on a CUDA host with the cores for them
+    (two left to the loop and the driver's threads), none on a CPU (the reference backend's
+    torch needs those cores) or a small machine."""
+    if torch.device(device).type != "cuda":
+        return 0
+    return min(4, max((os.cpu_count() or 1) - 2, 0)) if (os.cpu_count() or 1) >= 4 else 0
+
+
+def worker_steps(trace: TraceData, state: HostState, device: torch.device | str, workers: int
+                 ) -> Generator[Prepared, None, None]:
+    """`prepare.prepared_steps`, prepared by `workers` forked processes. The host seconds the
+    loop spends here (waiting for and uploading chunks) go to `state.seconds`; each step's
+    preparation time in its worker to `state.step_seconds`; the workers' start to
+    `state.start_seconds`."""
+    t0 = time.perf_counter()
+    steps = [s for s in trace.steps if trace.rows[s.step]]
+    flight = in_flight_poison(trace)
+    if steps:  # numba's compile (or cache load) once here, not in every worker
+        s = steps[0]
+        build_step(s, trace.rows[s.step], trace.model.page_size, state.guard,
+                   np.zeros(0, np.int64), trace.columns.get(s.step))
+    ctx = mp.get_context("fork")
+    conns, procs = [], []
+    try:
+        for w in range(workers):
+            recv, send = ctx.Pipe(duplex=False)
+            _widen(send.fileno())
+            proc = ctx.Process(target=_work, args=(state, flight, steps, w, workers, send),
+                               daemon=True, name=f"kvsim-prepare-{w}")
+            proc.start()
+            send.close()
+            conns.append(recv)
+            procs.append(proc)
+        state.start_seconds = time.perf_counter() - t0
+        state.seconds += state.start_seconds
+        yield from _in_order(trace, state, device, steps, conns)
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.join()
+        for c in conns:
+            c.close()
+
+
+def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
+              steps: list[StepRecord], conns: list[Connection]) -> Iterator[Prepared]:
+    """The chunks from their workers in order, the next one received before the current one's
+    first step is handed out."""
+    per = prepare.CHUNK_STEPS
+    count = -(-len(steps) // per)
+    ready: deque[Prepared] = deque()
+    c = 0
+    while c < count or ready:
+        if c < count and len(ready) <= per:
+            t0 = time.perf_counter()
+            ready.extend(_receive(trace, state, device, steps, conns[c % len(conns)]))
+            state.seconds += time.perf_counter() - t0
+            c += 1
+            continue
+        yield ready.popleft()
+
+
+def _receive(trace: TraceData, state: HostState, device: torch.device | str,
+             steps: list[StepRecord], conn: Connection) -> list[Prepared]:
+    """One chunk's steps (one or more uploads, as `prepared_steps` splits them)."""
+    out: list[Prepared] = []
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            raise KvsimError("a preparation worker exited without a word (killed? out of "
+                             "memory?); --prepare-workers 0 prepares on the loop's thread") \
+                from None
+        if msg[0] == "error":
+            raise msg[1]
+        _, metas, n, last = msg
+        chunk = Chunk(device)
+        chunk.receive(conn.fileno(), n)
+        for i, seconds, b, slots, rest in metas:
+            s = steps[i]
+            state.step_seconds[s.step] = seconds
+            out.append(Prepared(s, trace.rows[s.step], b, StepArrays(chunk, slots), *rest))
+        if last:
+            return out
+
+
+def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: int,
+          conn: Connection) -> None:
+    """Worker w of n: prepare the chunks c with c % n == w, walk the other steps."""
+    per = prepare.CHUNK_STEPS
+    try:
+        chunk, metas = Chunk("cpu"), []
+        for i, s in enumerate(steps):
+            rows = st.trace.rows[s.step]
+            if (i // per) % n != w:
+                prepare.advance(st, s, rows, flight, ((i + 1) // per) % n == w)
+                continue
+            t0 = time.perf_counter()
+            p = prepare.prepare_step(st, s, rows, flight, chunk)
+            metas.append((i, time.perf_counter() - t0, p.b, p.dv.slots,
+                          [getattr(p, k) for k in _REST]))
+            end = (i + 1) % per == 0 or i + 1 == len(steps)
+            if end or chunk.n >= prepare.CHUNK_WORDS:
+                words = chunk.words()
+                conn.send(("chunk", metas, len(words), end))
+                _write(conn.fileno(), words.data.cast("B"))
+                chunk, metas = Chunk("cpu"), []
+    except BaseException as e:  # the loop raises it (a TraceError stays one)
+        try:
+            conn.send(("error", e))
+        except Exception:  # an exception that does not pickle
+            conn.send(("error", RuntimeError(f"preparation worker {w}: {e!r}")))
+    finally:
+        conn.close()
+
+
+
+def _write(fd: int, data: memoryview) -> None:
+    """All of data into the pipe (os.write may take part of it)."""
+    while len(data):
+        data = data[os.write(fd, data):]
+
+
+def _widen(fd: int) -> None:
+    """The pipe's buffer as large as the system allows (Linux: 1 MiB by default, against 64 kiB):
+    a chunk of words crosses in a few writes, not one per 64 kiB."""
+    try:
+        import fcntl
+
+        size = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+    except (OSError, ValueError, ImportError):
+        pass  # another OS, or a limit: the default buffer works, more slowly

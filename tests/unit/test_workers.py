@@ -1,0 +1,130 @@
+"""gpu_backend/workers.py: steps prepared by forked worker processes are the steps the loop's own
+preparation makes (arrays, pool operations, batches, reference groups), on every replay scenario
+and fault trace, with the chunks spread so that every step's predecessor was walked by another
+worker; a replay gives the same rows; a worker's error or death reaches the loop as an error;
+closing early leaves no process behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify
+
+from gpu_backend import prepare, workers
+from gpu_backend.driver import GUARD_PAGES, replay
+from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
+from gpu_backend.reference import ReferenceKernels
+from gpu_backend.tracedata import TraceData, load_trace
+from sim.errors import KvsimError, TraceError
+
+
+def _state(trace: TraceData) -> HostState:
+    slots, _, last = truth_shape(trace)
+    return HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                     free=list(range(slots))[::-1], graphs=True)
+
+
+def _steps(trace: TraceData, n: int) -> list[Prepared]:
+    return list(prepared_steps(trace, _state(trace), "cpu", n))
+
+
+def _same_step(a: Prepared, b: Prepared) -> None:
+    assert (a.step, a.rows) == (b.step, b.rows)
+    for f in ("ops", "touched", "fill", "engine_nan", "truth_same", "q_identity", "groups",
+              "wcheck"):
+        assert getattr(a, f) == getattr(b, f), f
+    assert np.array_equal(a.wpages, b.wpages)
+    assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
+               for x, y in zip(vars(a.b).values(), vars(b.b).values(), strict=True))
+    # each worker grows its own graph capacities: a padded graph block may differ, nothing else
+    assert (a.graph is None) == (b.graph is None)
+    pad = a.graph != b.graph
+    keys = [k for k in a.dv if not (pad and (k.startswith("gr_") or k == "gblk"))]
+    assert keys == [k for k in b.dv if not (pad and (k.startswith("gr_") or k == "gblk"))]
+    for k in keys:
+        assert np.array_equal(a.dv[k].numpy(), b.dv[k].numpy()), (a.step.step, k)
+
+
+@pytest.mark.parametrize("name", [*sorted(SCENARIOS), *FAULTS])
+def test_workers_prepare_the_steps_the_loop_would(tmp_path: Path, name: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    t = load_trace(any_trace(tmp_path, name))
+    want = _steps(t, 0)
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 1)  # every step's predecessor: another worker's
+    for n in (1, 2, 3):
+        got = _steps(t, n)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            _same_step(a, b)
+
+
+def test_a_chunk_larger_than_one_upload_arrives_whole(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker splits its chunk into uploads of CHUNK_WORDS, as the loop's preparation does."""
+    t = load_trace(big_verify(tmp_path / "big", batch=8, kv=256, steps=9))
+    want = _steps(t, 0)
+    monkeypatch.setattr(prepare, "CHUNK_WORDS", 1000)
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 4)
+    got = _steps(t, 2)
+    assert len({id(p.dv.chunk) for p in got}) == len(got)  # every step its own upload
+    for a, b in zip(got, want, strict=True):
+        _same_step(a, b)
+
+
+@pytest.mark.parametrize("name", ["append_past_alloc", "clean_mtp", "overlap_uncorrected"])
+def test_workers_give_the_same_verdicts(tmp_path: Path, name: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    m = t.model
+
+    def rows(n: int) -> list[tuple[Any, ...]]:
+        res = replay(t, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=n)
+        assert res.stats["prepare_workers"] == n
+        return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows]
+
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
+    assert rows(2) == rows(0)
+    assert not mp.active_children()
+
+
+def test_a_workers_error_is_raised_by_the_loop(tmp_path: Path) -> None:
+    """The serial preparation's TraceError (a request's prefix missing from requests.parquet)
+    comes out of the worker as the same error."""
+    t = load_trace(SCENARIOS["shared_block_written"](tmp_path / "s"))
+    t.prompts[1] = ()  # request 1 starts at committed 20, on a shared prefix
+    with pytest.raises(TraceError, match="request 1 starts at committed 20"):
+        _steps(t, 0)
+    with pytest.raises(TraceError, match="request 1 starts at committed 20"):
+        _steps(t, 2)
+    assert not mp.active_children()
+
+
+def test_a_dead_worker_is_a_plain_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = load_trace(big_verify(tmp_path / "big", batch=4, kv=64, steps=3))
+    monkeypatch.setattr(workers, "_work", lambda *a: os._exit(3))
+    with pytest.raises(KvsimError, match="preparation worker exited"):
+        _steps(t, 2)
+    assert not mp.active_children()
+
+
+def test_closing_early_stops_the_workers(tmp_path: Path) -> None:
+    t = load_trace(big_verify(tmp_path / "big", batch=4, kv=64, steps=20))
+    it = prepared_steps(t, _state(t), "cpu", 3)
+    next(it)
+    assert len(mp.active_children()) == 3
+    it.close()
+    assert not mp.active_children()
+
+
+def test_workers_by_default_only_on_a_gpu_host_with_cores(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert workers.default_workers("cpu") == 0
+    assert workers.default_workers("cuda") == 4
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert workers.default_workers("cuda") == 0

@@ -148,6 +148,9 @@ def workers_pass(trace: TraceData, first: int, last: int, serial: ReplayResult
             "start_ms": start, "before_ms_per_step": max(pre - start - prompt, 0.0) / n,
             "worker_prepare_gen_ms_per_step":
                 sum(v for k, v in res.prepare_step_s.items() if k >= first) * 1e3 / n,
+            # every step's (the prompt's too), summed over the workers: where the time went
+            "timing_ms_per_step": {k: v * 1e3 / len(res.prepare_step_s)
+                                   for k, v in res.stats["prepare_timing_s"].items()},
             "same_verdicts": [r.verdict for r in res.rows] == [r.verdict for r in serial.rows]}
 
 

@@ -197,6 +197,7 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     res.stats["prepare_workers"] = workers
     res.stats["prepare_start_s"] = state.start_seconds
+    res.stats["prepare_timing_s"] = state.timing
     stats = getattr(kernels, "stats", None)
     if callable(stats):
         res.stats |= stats()

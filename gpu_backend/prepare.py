@@ -96,6 +96,8 @@ class HostState:
     graph_caps: dict[tuple[int, int], GraphKey] = field(default_factory=dict)
     prev_step: int = -1  # the step prepared last
     start_seconds: float = 0.0  # of `seconds`: starting the preparation workers, if any
+    # with workers: seconds by where they went (the loop's receiving, all workers' own time)
+    timing: dict[str, float] = field(default_factory=dict)
 
 
 def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:

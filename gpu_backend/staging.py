@@ -3,10 +3,10 @@
 A copy from pageable host memory makes CUDA synchronize the stream first, and every small upload
 costs a launch. Here the host packs the arrays of a whole chunk of steps (`gpu_backend.prepare`
 builds them ahead) into one pinned int64 buffer and copies it with `non_blocking=True`; the
-device then holds it as int64 (indexing), int32 (kernel arguments) and bool (masks), so no step
-converts anything. A pinned int32 twin on the host serves the FlashInfer planners, which read
-their indptr arrays on the host and copy them to the device asynchronously. The chunk's buffers
-are never written again, so nothing waits for a copy to finish before reusing them.
+device then holds it as int64 (indexing), int32 (kernel arguments, converted there) and bool
+(masks), so no step converts anything on the host but the few small int32 arrays the FlashInfer
+planners read on the host (`name@host`, made on first use). The chunk's buffers are never
+written again, so nothing waits for a copy to finish before reusing them.
 """
 
 from __future__ import annotations
@@ -56,16 +56,16 @@ class Chunk:
         h64 = torch.empty(max(self.n, 1), dtype=torch.int64, pin_memory=self.dev.type == "cuda")
         if self.parts:
             np.concatenate(self.parts, out=h64.numpy()[: self.n])
-        self._load(h64)
+        self.load(h64)
 
     def words(self) -> np.ndarray:
         """The queued arrays as the one int64 buffer `upload` would copy (a worker process
         ships it: `gpu_backend.workers`)."""
         return np.concatenate(self.parts) if self.parts else np.zeros(1, dtype=np.int64)
 
-    def receive(self, fd: int, n: int) -> None:
-        """Upload n words read from the pipe `fd` (`words` written by a worker), read straight
-        into the pinned buffer: no framing, no intermediate copy (multiprocessing's
+    def read(self, fd: int, n: int) -> torch.Tensor:
+        """n words read from the pipe `fd` (`words` written by a worker) straight into a pinned
+        buffer, for `load`: no framing, no intermediate copy (multiprocessing's
         `recv_bytes_into` reads through a BytesIO, ~4 ms a MB on a development machine)."""
         h64 = torch.empty(n, dtype=torch.int64, pin_memory=self.dev.type == "cuda")
         view = h64.numpy().data.cast("B")
@@ -75,20 +75,20 @@ class Chunk:
             if not k:
                 raise EOFError(f"a chunk of {n} words ended after {got} bytes")
             got += k
-        self.n = n
-        self._load(h64)
+        return h64
 
-    def _load(self, h64: torch.Tensor) -> None:
-        """The device copies of the staged words and the pinned int32 twin."""
-        cuda = self.dev.type == "cuda"
-        h32 = torch.empty(h64.shape, dtype=torch.int32, pin_memory=cuda)
-        h32.numpy()[:] = h64.numpy()  # wraps the float64 bits: those are never read as int32
-        d64 = h64.to(self.dev, non_blocking=True) if cuda else h64
-        self.bufs = {"h32": h32, "d64": d64, "d32": h32.to(self.dev, non_blocking=True)
-                     if cuda else h32, "db": d64 != 0, "f64": d64.view(torch.float64)}
+    def load(self, h64: torch.Tensor) -> None:
+        """The device copy of the staged words and its int32 and bool forms, made there (a
+        host-side int32 twin of a chunk cost ~50 µs a step at batch 64 x kv 2k)."""
+        d64 = h64.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else h64
+        # the int32 form wraps the float64 bits: those are never read as int32
+        self.bufs = {"h64": h64, "d64": d64, "d32": d64.to(torch.int32), "db": d64 != 0,
+                     "f64": d64.view(torch.float64)}
         self.parts = []
 
     def view(self, copy: str, slot: Slot) -> torch.Tensor:
+        if copy == "h32":  # a small index array a planner reads on the host
+            return self.bufs["h64"].as_strided(*slot).to(torch.int32)
         # one as_strided (every buffer is 1-D from storage offset 0): ~1 µs of host per view,
         # a slice + view + np.prod ~5 (a step makes ~20 views)
         return self.bufs[copy].as_strided(*slot)
@@ -96,7 +96,7 @@ class Chunk:
 
 class StepArrays(Mapping[str, torch.Tensor]):
     """A step's arrays by name, as views into its chunk: `name` int64 on the device, `name@32`
-    int32 on the device, `name@b` bool on the device, `name@host` pinned int32 on the host,
+    int32 on the device, `name@b` bool on the device, `name@host` int32 on the host (a copy),
     `name@f64` float64 on the device (arrays added as float64). Views are made on first use."""
 
     def __init__(self, chunk: Chunk, slots: dict[str, Slot]):

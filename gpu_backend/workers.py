@@ -63,7 +63,9 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
     t0 = time.perf_counter()
     steps = [s for s in trace.steps if trace.rows[s.step]]
     flight = in_flight_poison(trace)
-    if steps:  # numba's compile (or cache load) once here, not in every worker
+    from gpu_backend import flatten
+
+    if steps and not flatten.flatten.signatures:  # numba's compile or cache load, once here
         s = steps[0]
         build_step(s, trace.rows[s.step], trace.model.page_size, state.guard,
                    np.zeros(0, np.int64), trace.columns.get(s.step))
@@ -82,6 +84,10 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
         state.start_seconds = time.perf_counter() - t0
         state.seconds += state.start_seconds
         yield from _in_order(trace, state, device, steps, conns)
+        for c in conns:  # each worker's time, sent after its last chunk
+            if c.poll(1.0):
+                msg = c.recv()
+                _spend(state.timing, *(x for kv in msg[1].items() for x in kv))
     finally:
         for proc in procs:
             proc.kill()
@@ -114,8 +120,10 @@ def _receive(trace: TraceData, state: HostState, device: torch.device | str,
     """One chunk's steps (one or more uploads, as `prepared_steps` splits them)."""
     out: list[Prepared] = []
     while True:
+        t0 = time.perf_counter()
         try:
             msg = conn.recv()
+            _spend(state.timing, "loop: metadata", time.perf_counter() - t0)
         except EOFError:
             raise KvsimError("a preparation worker exited without a word (killed? out of "
                              "memory?); --prepare-workers 0 prepares on the loop's thread") \
@@ -123,8 +131,12 @@ def _receive(trace: TraceData, state: HostState, device: torch.device | str,
         if msg[0] == "error":
             raise msg[1]
         _, metas, n, last = msg
+        t0 = time.perf_counter()
         chunk = Chunk(device)
-        chunk.receive(conn.fileno(), n)
+        h64 = chunk.read(conn.fileno(), n)
+        t1 = time.perf_counter()
+        chunk.load(h64)
+        _spend(state.timing, "loop: words", t1 - t0, "loop: upload", time.perf_counter() - t1)
         for i, seconds, b, slots, rest in metas:
             s = steps[i]
             state.step_seconds[s.step] = seconds
@@ -137,23 +149,27 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
           conn: Connection) -> None:
     """Worker w of n: prepare the chunks c with c % n == w, walk the other steps."""
     per = prepare.CHUNK_STEPS
+    spent: dict[str, float] = {}
     try:
         chunk, metas = Chunk("cpu"), []
         for i, s in enumerate(steps):
             rows = st.trace.rows[s.step]
+            t0 = time.perf_counter()
             if (i // per) % n != w:
                 prepare.advance(st, s, rows, flight, ((i + 1) // per) % n == w)
+                _spend(spent, "workers: walk", time.perf_counter() - t0)
                 continue
-            t0 = time.perf_counter()
             p = prepare.prepare_step(st, s, rows, flight, chunk)
-            metas.append((i, time.perf_counter() - t0, p.b, p.dv.slots,
-                          [getattr(p, k) for k in _REST]))
+            t1 = time.perf_counter()
+            metas.append((i, t1 - t0, p.b, p.dv.slots, [getattr(p, k) for k in _REST]))
             end = (i + 1) % per == 0 or i + 1 == len(steps)
             if end or chunk.n >= prepare.CHUNK_WORDS:
                 words = chunk.words()
                 conn.send(("chunk", metas, len(words), end))
                 _write(conn.fileno(), words.data.cast("B"))
                 chunk, metas = Chunk("cpu"), []
+            _spend(spent, "workers: prepare", t1 - t0, "workers: ship", time.perf_counter() - t1)
+        conn.send(("spent", spent))
     except BaseException as e:  # the loop raises it (a TraceError stays one)
         try:
             conn.send(("error", e))
@@ -180,3 +196,9 @@ def _widen(fd: int) -> None:
         fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
     except (OSError, ValueError, ImportError):
         pass  # another OS, or a limit: the default buffer works, more slowly
+
+
+def _spend(into: dict[str, float], *pairs: str | float) -> None:
+    """Add seconds to named totals: `_spend(d, "a", 0.1, "b", 0.2)`."""
+    for k, v in zip(pairs[::2], pairs[1::2], strict=True):
+        into[str(k)] = into.get(str(k), 0.0) + float(v)

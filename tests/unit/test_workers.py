@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,17 @@ def test_a_dead_worker_is_a_plain_error(tmp_path: Path, monkeypatch: pytest.Monk
     assert not mp.active_children()
 
 
-def test_closing_early_stops_the_workers(tmp_path: Path) -> None:
-    t = load_trace(big_verify(tmp_path / "big", batch=4, kv=64, steps=20))
+def test_closing_early_stops_the_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    t = load_trace(big_verify(tmp_path / "big", batch=4, kv=64, steps=40))
+    real = prepare.prepare_step
+
+    def slow(*a: Any) -> Prepared:  # the workers inherit it: still busy when the loop stops
+        time.sleep(0.05)
+        return real(*a)
+
+    monkeypatch.setattr(prepare, "prepare_step", slow)
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
     it = prepared_steps(t, _state(t), "cpu", 3)
     next(it)
     assert len(mp.active_children()) == 3

@@ -77,6 +77,12 @@ class Chunk:
             got += k
         return h64
 
+    def copy(self, words: np.ndarray) -> torch.Tensor:
+        """A pinned copy of words (a worker's, in shared memory), for `load`."""
+        h64 = torch.empty(len(words), dtype=torch.int64, pin_memory=self.dev.type == "cuda")
+        h64.numpy()[:] = words
+        return h64
+
     def load(self, h64: torch.Tensor) -> None:
         """The device copy of the staged words and its int32 and bool forms, made there (a
         host-side int32 twin of a chunk cost ~50 µs a step at batch 64 x kv 2k)."""

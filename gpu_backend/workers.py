@@ -8,9 +8,12 @@ The steps (those with rows) are cut into chunks of `prepare.CHUNK_STEPS`; worker
 chunks c with c % N == w. A chunk's preparation needs the host state of the steps before it
 (block refcounts, truth slots, the last step's rewind), so every worker walks every step, the
 other workers' ones cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk
-travels as its staged words (`staging.Chunk.words`, read on arrival straight into pinned memory)
-and the steps' metadata (pickled `Prepared` fields, ~60 kB a step at 64 x 2k). The loop receives
-the chunks in order, one ahead of the steps it hands out, as `prepare.prepared_steps` does.
+is its staged words (`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields,
+~60 kB a step at 64 x 2k), written into one of the worker's two shared-memory slots (`_Ring`);
+the pipe carries only which slot. Through the pipe itself a chunk's megabyte cost the loop
+~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger than a slot (a long prompt
+step) still goes that way. The loop receives the chunks in order, one ahead of the steps it
+hands out, as `prepare.prepared_steps` does.
 
 Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
 few more CUDA graphs than one process would; the arrays, events and verdicts are the same
@@ -20,14 +23,17 @@ touch CUDA (staging in a worker is numpy only).
 
 from __future__ import annotations
 
+import mmap
 import multiprocessing as mp
 import os
+import pickle
 import time
 from collections import deque
 from collections.abc import Generator, Iterator
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,35 +76,60 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
         build_step(s, trace.rows[s.step], trace.model.page_size, state.guard,
                    np.zeros(0, np.int64), trace.columns.get(s.step))
     ctx = mp.get_context("fork")
-    conns, procs = [], []
+    links: list[_Link] = []
+    procs = []
     try:
         for w in range(workers):
             recv, send = ctx.Pipe(duplex=False)
             _widen(send.fileno())
-            proc = ctx.Process(target=_work, args=(state, flight, steps, w, workers, send),
+            ring = _Ring(ctx)
+            proc = ctx.Process(target=_work,
+                               args=(state, flight, steps, w, workers, _Link(send, ring)),
                                daemon=True, name=f"kvsim-prepare-{w}")
             proc.start()
             send.close()
-            conns.append(recv)
+            links.append(_Link(recv, ring))
             procs.append(proc)
         state.start_seconds = time.perf_counter() - t0
         state.seconds += state.start_seconds
-        yield from _in_order(trace, state, device, steps, conns)
-        for c in conns:  # each worker's time, sent after its last chunk
-            if c.poll(1.0):
-                msg = c.recv()
+        yield from _in_order(trace, state, device, steps, links)
+        for link in links:  # each worker's time, sent after its last chunk
+            if link.conn.poll(1.0):
+                msg = link.conn.recv()
                 _spend(state.timing, *(x for kv in msg[1].items() for x in kv))
     finally:
         for proc in procs:
             proc.kill()
         for proc in procs:
             proc.join()
-        for c in conns:
-            c.close()
+        for link in links:
+            link.conn.close()
+            link.ring.mem.close()
+
+
+SLOTS = 2  # shared buffers a worker cycles through: it fills one while the loop reads the other
+SLOT_BYTES = 8 * prepare.CHUNK_WORDS + (16 << 20)  # a chunk's words and its metadata
+
+
+class _Ring:
+    """A worker's shared-memory slots (an anonymous shared mapping made before the fork) and
+    the count of free ones: the worker takes one to write a chunk into, the loop gives it back
+    once it has copied the chunk out."""
+
+    def __init__(self, ctx: Any):
+        self.mem = mmap.mmap(-1, SLOTS * SLOT_BYTES)  # MAP_SHARED: the fork shares it
+        self.free = ctx.Semaphore(SLOTS)
+        self.next = 0  # the slot the worker fills next (the loop reads them in the same order)
+
+
+@dataclass
+class _Link:
+    conn: Connection
+    ring: _Ring
 
 
 def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
-              steps: list[StepRecord], conns: list[Connection]) -> Iterator[Prepared]:
+              steps: list[StepRecord], links: list[_Link]) -> Iterator[Prepared]:
     """The chunks from their workers in order, the next one received before the current one's
     first step is handed out."""
     per = prepare.CHUNK_STEPS
@@ -108,7 +139,7 @@ def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
     while c < count or ready:
         if c < count and len(ready) <= per:
             t0 = time.perf_counter()
-            ready.extend(_receive(trace, state, device, steps, conns[c % len(conns)]))
+            ready.extend(_receive(trace, state, device, steps, links[c % len(links)]))
             state.seconds += time.perf_counter() - t0
             c += 1
             continue
@@ -116,27 +147,30 @@ def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
 
 
 def _receive(trace: TraceData, state: HostState, device: torch.device | str,
-             steps: list[StepRecord], conn: Connection) -> list[Prepared]:
+             steps: list[StepRecord], link: _Link) -> list[Prepared]:
     """One chunk's steps (one or more uploads, as `prepared_steps` splits them)."""
     out: list[Prepared] = []
     while True:
         t0 = time.perf_counter()
         try:
-            msg = conn.recv()
-            _spend(state.timing, "loop: metadata", time.perf_counter() - t0)
+            msg = link.conn.recv()
         except EOFError:
             raise KvsimError("a preparation worker exited without a word (killed? out of "
                              "memory?); --prepare-workers 0 prepares on the loop's thread") \
                 from None
+        t1 = time.perf_counter()
         if msg[0] == "error":
             raise msg[1]
-        _, metas, n, last = msg
-        t0 = time.perf_counter()
         chunk = Chunk(device)
-        h64 = chunk.read(conn.fileno(), n)
-        t1 = time.perf_counter()
+        if msg[0] == "slot":
+            metas, n, last, h64 = _from_slot(link.ring, chunk, *msg[1:])
+        else:
+            _, metas, n, last = msg
+            h64 = chunk.read(link.conn.fileno(), n)
+        t2 = time.perf_counter()
         chunk.load(h64)
-        _spend(state.timing, "loop: words", t1 - t0, "loop: upload", time.perf_counter() - t1)
+        _spend(state.timing, "loop: wait", t1 - t0, "loop: copy", t2 - t1,
+               "loop: upload", time.perf_counter() - t2)
         for i, seconds, b, slots, rest in metas:
             s = steps[i]
             state.step_seconds[s.step] = seconds
@@ -145,8 +179,35 @@ def _receive(trace: TraceData, state: HostState, device: torch.device | str,
             return out
 
 
+def _from_slot(ring: _Ring, chunk: Chunk, k: int, nb_words: int, nb_meta: int
+               ) -> tuple[Any, int, bool, torch.Tensor]:
+    """(metas, words, last part, pinned words) of the chunk in slot k; the slot is free after."""
+    base = k * SLOT_BYTES
+    metas, n, last = pickle.loads(ring.mem[base + nb_words: base + nb_words + nb_meta])
+    h64 = chunk.copy(np.frombuffer(ring.mem, np.int64, n, base))
+    ring.free.release()
+    return metas, n, last, h64
+
+
+def _to_slot(link: _Link, metas: list[Any], words: np.ndarray, end: bool) -> None:
+    """A worker's part of a chunk into its next slot (waits for a free one), or through the
+    pipe when it does not fit."""
+    meta = pickle.dumps((metas, len(words), end), protocol=pickle.HIGHEST_PROTOCOL)
+    if words.nbytes + len(meta) > SLOT_BYTES:
+        link.conn.send(("pipe", metas, len(words), end))
+        _write(link.conn.fileno(), words.data.cast("B"))
+        return
+    ring = link.ring
+    ring.free.acquire()
+    k, ring.next = ring.next, (ring.next + 1) % SLOTS
+    base = k * SLOT_BYTES
+    ring.mem[base: base + words.nbytes] = words.data.cast("B")
+    ring.mem[base + words.nbytes: base + words.nbytes + len(meta)] = meta
+    link.conn.send(("slot", k, words.nbytes, len(meta)))
+
+
 def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: int,
-          conn: Connection) -> None:
+          link: _Link) -> None:
     """Worker w of n: prepare the chunks c with c % n == w, walk the other steps."""
     per = prepare.CHUNK_STEPS
     spent: dict[str, float] = {}
@@ -164,19 +225,17 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
             metas.append((i, t1 - t0, p.b, p.dv.slots, [getattr(p, k) for k in _REST]))
             end = (i + 1) % per == 0 or i + 1 == len(steps)
             if end or chunk.n >= prepare.CHUNK_WORDS:
-                words = chunk.words()
-                conn.send(("chunk", metas, len(words), end))
-                _write(conn.fileno(), words.data.cast("B"))
+                _to_slot(link, metas, chunk.words(), end)
                 chunk, metas = Chunk("cpu"), []
             _spend(spent, "workers: prepare", t1 - t0, "workers: ship", time.perf_counter() - t1)
-        conn.send(("spent", spent))
+        link.conn.send(("spent", spent))
     except BaseException as e:  # the loop raises it (a TraceError stays one)
         try:
-            conn.send(("error", e))
+            link.conn.send(("error", e))
         except Exception:  # an exception that does not pickle
-            conn.send(("error", RuntimeError(f"preparation worker {w}: {e!r}")))
+            link.conn.send(("error", RuntimeError(f"preparation worker {w}: {e!r}")))
     finally:
-        conn.close()
+        link.conn.close()
 
 
 

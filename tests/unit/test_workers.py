@@ -77,6 +77,26 @@ def test_a_chunk_larger_than_one_upload_arrives_whole(tmp_path: Path,
         _same_step(a, b)
 
 
+def test_a_part_larger_than_a_slot_takes_the_pipe(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    t = load_trace(big_verify(tmp_path / "big", batch=8, kv=256, steps=9))
+    want = _steps(t, 0)
+    monkeypatch.setattr(workers, "SLOT_BYTES", 1 << 17)  # the prompt step's part does not fit
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 1)
+    sent: list[str] = []
+    real = workers._from_slot
+
+    def counted(*a: Any) -> Any:
+        sent.append("slot")
+        return real(*a)
+
+    monkeypatch.setattr(workers, "_from_slot", counted)
+    got = _steps(t, 2)
+    assert 0 < len(sent) < len(got)  # both ways taken
+    for a, b in zip(got, want, strict=True):
+        _same_step(a, b)
+
+
 @pytest.mark.parametrize("name", ["append_past_alloc", "clean_mtp", "overlap_uncorrected"])
 def test_workers_give_the_same_verdicts(tmp_path: Path, name: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,10 +4,13 @@ Why: at batch 64 x kv 2k the device runs a step in ~0.32 ms, and preparing one t
 host 0.6-1.0 ms on the loop's own thread (docs/gpu.md, round 12): the replay was bound by the
 host's preparation end to end. Here N forked workers prepare it while the loop only launches.
 
-The steps (those with rows) are cut into chunks of `prepare.CHUNK_STEPS`; worker w prepares the
-chunks c with c % N == w. A chunk's preparation needs the host state of the steps before it
-(block refcounts, truth slots, the last step's rewind), so every worker walks every step, the
-other workers' ones cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk
+The steps (those with rows) are cut into chunks of `prepare.CHUNK_STEPS`; the loop prepares
+chunk 0 itself while the workers start (it holds the prompt step, whose arrays cost more to ship
+than to build: ~0.3 s before the first generation step at batch 128 x kv 8k), and worker w the
+chunks c >= 1 with (c - 1) % N == w (`_owner`). A chunk's preparation needs the host state of
+the steps before it (block refcounts, truth slots, the last step's rewind), so every worker
+walks every step, the other workers' ones cheaply (`prepare.advance`: events and slots, no
+arrays). A prepared chunk
 is its staged words (`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields,
 ~60 kB a step at 64 x 2k), written into one of the worker's two shared-memory slots (`_Ring`);
 the pipe carries only which slot. Through the pipe itself a chunk's megabyte cost the loop
@@ -53,8 +56,9 @@ _REST = [f.name for f in fields(Prepared)][4:]
 
 def default_workers(device: torch.device | str) -> int:
     """Workers a replay on `device` uses unless told: 4 on a CUDA host with the cores for them
-    (two left to the loop and the driver's threads), none on a CPU (the reference backend's
-    torch needs those cores) or a small machine."""
+    (two left to the loop and the driver's threads; 8 were slower than 4 on the H200's host,
+    docs/gpu.md round 13), none on a CPU (the reference backend's torch needs those cores) or a
+    small machine."""
     if torch.device(device).type != "cuda":
         return 0
     return min(4, max((os.cpu_count() or 1) - 2, 0)) if (os.cpu_count() or 1) >= 4 else 0
@@ -92,11 +96,13 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
             procs.append(proc)
         state.start_seconds = time.perf_counter() - t0
         state.seconds += state.start_seconds
-        yield from _in_order(trace, state, device, steps, links)
+        yield from _in_order(trace, state, device, steps, links, flight)
         for link in links:  # each worker's time, sent after its last chunk
-            if link.conn.poll(1.0):
-                msg = link.conn.recv()
-                _spend(state.timing, *(x for kv in msg[1].items() for x in kv))
+            try:
+                msg = link.conn.recv() if link.conn.poll(1.0) else ("", {})
+            except EOFError:  # it had no chunk and died: nothing of the replay is lost
+                msg = ("", {})
+            _spend(state.timing, *(x for kv in msg[1].items() for x in kv))
     finally:
         for proc in procs:
             proc.kill()
@@ -128,22 +134,48 @@ class _Link:
     ring: _Ring
 
 
+def _owner(c: int, n: int) -> int:
+    """Who prepares chunk c: -1 the loop (chunk 0), else worker (c - 1) % n."""
+    return (c - 1) % n if c else -1
+
+
 def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
-              steps: list[StepRecord], links: list[_Link]) -> Iterator[Prepared]:
-    """The chunks from their workers in order, the next one received before the current one's
-    first step is handed out."""
+              steps: list[StepRecord], links: list[_Link], flight: InFlight
+              ) -> Iterator[Prepared]:
+    """Chunk 0 prepared here, then the chunks from their workers in order, the next one
+    received before the current one's first step is handed out."""
     per = prepare.CHUNK_STEPS
     count = -(-len(steps) // per)
-    ready: deque[Prepared] = deque()
-    c = 0
+    t0 = time.perf_counter()
+    ready = deque(_first_chunk(trace, state, device, steps[:per], flight))
+    state.seconds += time.perf_counter() - t0
+    c = 1
     while c < count or ready:
         if c < count and len(ready) <= per:
             t0 = time.perf_counter()
-            ready.extend(_receive(trace, state, device, steps, links[c % len(links)]))
+            ready.extend(_receive(trace, state, device, steps, links[_owner(c, len(links))]))
             state.seconds += time.perf_counter() - t0
             c += 1
             continue
         yield ready.popleft()
+
+
+def _first_chunk(trace: TraceData, state: HostState, device: torch.device | str,
+                 steps: list[StepRecord], flight: InFlight) -> list[Prepared]:
+    """Chunk 0's steps prepared and staged by the loop, in uploads of at most CHUNK_WORDS as
+    `prepare.prepared_steps` makes them."""
+    out: list[Prepared] = []
+    part: list[Prepared] = []
+    chunk = Chunk(device)
+    for s in steps:
+        t0 = time.perf_counter()
+        part.append(prepare.prepare_step(state, s, trace.rows[s.step], flight, chunk))
+        state.step_seconds[s.step] = time.perf_counter() - t0
+        if chunk.n >= prepare.CHUNK_WORDS or s is steps[-1]:
+            chunk.upload()
+            out += part
+            chunk, part = Chunk(device), []
+    return out
 
 
 def _receive(trace: TraceData, state: HostState, device: torch.device | str,
@@ -208,7 +240,7 @@ def _to_slot(link: _Link, metas: list[Any], words: np.ndarray, end: bool) -> Non
 
 def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: int,
           link: _Link) -> None:
-    """Worker w of n: prepare the chunks c with c % n == w, walk the other steps."""
+    """Worker w of n: prepare its chunks (`_owner`), walk the other steps."""
     per = prepare.CHUNK_STEPS
     spent: dict[str, float] = {}
     try:
@@ -216,8 +248,8 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
         for i, s in enumerate(steps):
             rows = st.trace.rows[s.step]
             t0 = time.perf_counter()
-            if (i // per) % n != w:
-                prepare.advance(st, s, rows, flight, ((i + 1) // per) % n == w)
+            if _owner(i // per, n) != w:
+                prepare.advance(st, s, rows, flight, _owner((i + 1) // per, n) == w)
                 _spend(spent, "workers: walk", time.perf_counter() - t0)
                 continue
             p = prepare.prepare_step(st, s, rows, flight, chunk)

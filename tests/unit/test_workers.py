@@ -113,20 +113,33 @@ def test_workers_give_the_same_verdicts(tmp_path: Path, name: str,
     assert not mp.active_children()
 
 
-def test_a_workers_error_is_raised_by_the_loop(tmp_path: Path) -> None:
+def test_a_workers_error_is_raised_by_the_loop(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The serial preparation's TraceError (a request's prefix missing from requests.parquet)
     comes out of the worker as the same error."""
     t = load_trace(SCENARIOS["shared_block_written"](tmp_path / "s"))
-    t.prompts[1] = ()  # request 1 starts at committed 20, on a shared prefix
+    t.prompts[1] = ()  # request 1 starts at committed 20 in step 1, on a shared prefix
     with pytest.raises(TraceError, match="request 1 starts at committed 20"):
         _steps(t, 0)
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 1)  # step 1: a worker's (the loop's is step 0)
+    monkeypatch.setattr(workers, "_first_chunk", _no_error(workers._first_chunk))
     with pytest.raises(TraceError, match="request 1 starts at committed 20"):
         _steps(t, 2)
     assert not mp.active_children()
 
 
+def _no_error(fn: Any) -> Any:
+    """fn, asserting it raises nothing (the error must come from a worker)."""
+    def call(*a: Any) -> Any:
+        try:
+            return fn(*a)
+        except TraceError as e:
+            raise AssertionError("raised by the loop's own chunk") from e
+    return call
+
+
 def test_a_dead_worker_is_a_plain_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    t = load_trace(big_verify(tmp_path / "big", batch=4, kv=64, steps=3))
+    t = load_trace(big_verify(tmp_path / "big", batch=4, kv=64, steps=12))
     monkeypatch.setattr(workers, "_work", lambda *a: os._exit(3))
     with pytest.raises(KvsimError, match="preparation worker exited"):
         _steps(t, 2)

@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from gpu_backend import driver, prepare
+from gpu_backend import driver, prepare, workers
 from gpu_backend.calibrate import meta
 from gpu_backend.driver import ReplayResult, max_ok_error, replay
 from gpu_backend.replay import FlashInferKernels
@@ -411,7 +411,7 @@ def main() -> None:
                                         capture_output=True, text=True).stdout.strip()
     WATCH[0] = a.watch
     GRAPHS[0] = not a.eager
-    WORKERS[0] = default_workers("cuda") if a.workers is None else a.workers
+    WORKERS[0] = default_workers("cuda", workers.MIN_STEPS) if a.workers is None else a.workers
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
     out["commit"], out["watch"], out["graphs"] = commit, a.watch, not a.eager
     if a.sweep:

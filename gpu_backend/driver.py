@@ -151,7 +151,8 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     elsewhere) or "full" (the whole pool every step). The verdicts are the same.
     workers: processes that prepare the steps beside the loop (`gpu_backend.workers`; 0: the
     loop's own thread does); None: `workers.default_workers(device)`."""
-    n = default_workers(device) if workers is None else workers
+    n = default_workers(device, sum(1 for s in trace.steps if trace.rows[s.step])) \
+        if workers is None else workers
     with _frozen_heap():
         if watch == "incremental" and not skip:
             try:

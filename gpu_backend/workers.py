@@ -54,14 +54,20 @@ from sim.trace.records import StepRecord
 _REST = [f.name for f in fields(Prepared)][4:]
 
 
-def default_workers(device: torch.device | str) -> int:
-    """Workers a replay on `device` uses unless told: 4 on a CUDA host with the cores for them
-    (two left to the loop and the driver's threads; 8 were slower than 4 on the H200's host,
-    docs/gpu.md round 13), none on a CPU (the reference backend's torch needs those cores) or a
-    small machine."""
-    if torch.device(device).type != "cuda":
+MIN_STEPS = 64  # shorter traces prepare on the loop's thread by default (`default_workers`)
+
+
+def default_workers(device: torch.device | str, steps: int) -> int:
+    """Workers a replay of `steps` steps on `device` uses unless told: 4 on a CUDA host with
+    the cores for them (two left to the loop and the driver's threads; 8 were slower than 4 on
+    the H200's host), none on a CPU (the reference backend's torch needs those cores), on a
+    small machine, or for a trace under MIN_STEPS steps: the workers' start and their walk
+    over the prompt step's events cost more than they save there (12-step traces were 1.3-2x
+    slower with them end to end on the H200, docs/gpu.md round 13)."""
+    cores = os.cpu_count() or 1
+    if torch.device(device).type != "cuda" or steps < MIN_STEPS or cores < 6:
         return 0
-    return min(4, max((os.cpu_count() or 1) - 2, 0)) if (os.cpu_count() or 1) >= 4 else 0
+    return min(4, cores - 2)
 
 
 def worker_steps(trace: TraceData, state: HostState, device: torch.device | str, workers: int
@@ -142,8 +148,10 @@ def _owner(c: int, n: int) -> int:
 def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
               steps: list[StepRecord], links: list[_Link], flight: InFlight
               ) -> Iterator[Prepared]:
-    """Chunk 0 prepared here, then the chunks from their workers in order, the next one
-    received before the current one's first step is handed out."""
+    """Chunk 0 prepared here, then the chunks from their workers in order: the next one is
+    received once it has arrived (at most one chunk ahead of the step handed out), or when no
+    step is left to hand out. The loop waits for a worker only then: blocking for chunk 1 at
+    the first step cost ~10 ms before the first generation step at batch 64 x kv 2k."""
     per = prepare.CHUNK_STEPS
     count = -(-len(steps) // per)
     t0 = time.perf_counter()
@@ -151,9 +159,10 @@ def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
     state.seconds += time.perf_counter() - t0
     c = 1
     while c < count or ready:
-        if c < count and len(ready) <= per:
+        link = links[_owner(c, len(links))] if c < count else None
+        if link is not None and (not ready or (len(ready) <= per and link.conn.poll(0))):
             t0 = time.perf_counter()
-            ready.extend(_receive(trace, state, device, steps, links[_owner(c, len(links))]))
+            ready.extend(_receive(trace, state, device, steps, link))
             state.seconds += time.perf_counter() - t0
             c += 1
             continue

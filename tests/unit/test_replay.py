@@ -129,6 +129,23 @@ def test_cli_watch_choices(tmp_path: Path) -> None:
     assert p.returncode == 2 and "--watch 'sometimes'" in p.stdout and "Traceback" not in p.stderr
 
 
+def test_cli_prepare_workers(tmp_path: Path) -> None:
+    """--prepare-workers 2 gives the rows of the loop's own preparation; a negative count is
+    refused as bad input."""
+    bad = SCENARIOS["append_past_alloc"](tmp_path / "bad")
+    rows = []
+    for n in ("0", "2"):
+        p = _cli(str(bad), "--backend", "reference", "--prepare-workers", n,
+                 "--json", str(tmp_path / f"{n}.json"))
+        assert p.returncode == 1, p.stderr
+        out = json.loads((tmp_path / f"{n}.json").read_text())
+        assert out["stats"]["prepare_workers"] == int(n)
+        rows.append(out["rows"])
+    assert rows[0] == rows[1]
+    p = _cli(str(bad), "--backend", "reference", "--prepare-workers", "-1")
+    assert p.returncode == 2 and "Traceback" not in p.stderr + p.stdout
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
 def test_cli_flashinfer_without_cuda_says_so(tmp_path: Path) -> None:
     p = _cli(str(SCENARIOS["clean_decode"](tmp_path / "t")))

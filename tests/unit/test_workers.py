@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,21 @@ def test_workers_prepare_the_steps_the_loop_would(tmp_path: Path, name: str,
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
             _same_step(a, b)
+
+
+@pytest.mark.parametrize("name", ["clean_mtp_xqa", "shared_block_written", "overlong_fa2"])
+def test_a_batch_unpickles_as_it_was(tmp_path: Path, name: str) -> None:
+    """`StepBatch.__reduce__` (its arrays in one buffer): every field back, arrays with their
+    dtype and shape (xqa's 2-D block table, empty ones), writable."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    for p in _steps(t, 0):
+        got = pickle.loads(pickle.dumps(p.b, protocol=pickle.HIGHEST_PROTOCOL))
+        for (k, x), y in zip(vars(p.b).items(), vars(got).values(), strict=True):
+            if isinstance(x, np.ndarray):
+                assert (x.dtype, x.shape) == (y.dtype, y.shape) and y.flags.writeable, k
+                assert np.array_equal(x, y), k
+            else:
+                assert x == y, k
 
 
 def test_a_chunk_larger_than_one_upload_arrives_whole(tmp_path: Path,
@@ -164,10 +180,11 @@ def test_closing_early_stops_the_workers(tmp_path: Path, monkeypatch: pytest.Mon
     assert not mp.active_children()
 
 
-def test_workers_by_default_only_on_a_gpu_host_with_cores(monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
+def test_workers_by_default_only_on_a_gpu_host_with_cores_for_a_long_trace(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert workers.default_workers("cpu") == 0
-    assert workers.default_workers("cuda") == 4
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    assert workers.default_workers("cuda") == 0
+    assert workers.default_workers("cpu", 1000) == 0
+    assert workers.default_workers("cuda", 1000) == 4
+    assert workers.default_workers("cuda", workers.MIN_STEPS - 1) == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 5)
+    assert workers.default_workers("cuda", 1000) == 0

@@ -18,8 +18,9 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
   generation steps' preparation done before it) / kernels: what a user's replay of the
   generation steps costs, preparation included.
-- workers (one more pass, `--workers N`, by default what `kvsim replay` uses on the host: 4
-  where there are 6 cores or more): pipelined with the preparation in N forked processes
+- workers (one more pass, `--workers N`, by default 4 where the host has 6 cores or more,
+  whatever the trace; `kvsim replay` picks them by trace, `workers.trace_workers`): pipelined
+  with the preparation in N forked processes
   (`gpu_backend.workers`); `workers.ratio_end_to_end` = (its wall + the loop's wait for its
   first chunks, less the workers' start and the prompt step's preparation) / kernels;
   `workers.start_ms` is the start (forks, numba's load) left out of it. Every other pass
@@ -393,7 +394,8 @@ def main() -> None:
                     help="one more pass: device µs per generation step by kernel (torch profiler)")
     ap.add_argument("--workers", type=int, default=None,
                     help="one more pipelined pass with the preparation in this many processes "
-                    "(gpu_backend/workers.py; default: what a replay on this host uses, 0: none)")
+                    "(gpu_backend/workers.py; default: 4 where the host has 6 cores or more, "
+                    "whatever the trace; 0: no such pass)")
     ap.add_argument("--sweep", metavar="BxKV,...",
                     help="instead of TRACE: the benchmark trace at each batch x kv_len, written "
                     "under --work (e.g. 64x2048,128x8192)")

@@ -50,7 +50,7 @@ from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.tracedata import TraceData
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
-from gpu_backend.workers import default_workers
+from gpu_backend.workers import trace_workers
 from sim.trace.records import RowRecord
 
 GUARD_PAGES = 16
@@ -150,9 +150,8 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     pages, the whole pool every few steps; replayed again with "full" if a page changed
     elsewhere) or "full" (the whole pool every step). The verdicts are the same.
     workers: processes that prepare the steps beside the loop (`gpu_backend.workers`; 0: the
-    loop's own thread does); None: `workers.default_workers(device)`."""
-    n = default_workers(device, sum(1 for s in trace.steps if trace.rows[s.step])) \
-        if workers is None else workers
+    loop's own thread does); None: `workers.trace_workers`."""
+    n = trace_workers(trace, device) if workers is None else workers
     with _frozen_heap():
         if watch == "incremental" and not skip:
             try:

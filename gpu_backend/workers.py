@@ -55,19 +55,33 @@ _REST = [f.name for f in fields(Prepared)][4:]
 
 
 MIN_STEPS = 64  # shorter traces prepare on the loop's thread by default (`default_workers`)
+MAX_KV = 1 << 18  # ... and so do traces whose steps read more K/V tokens than this (median)
 
 
-def default_workers(device: torch.device | str, steps: int) -> int:
-    """Workers a replay of `steps` steps on `device` uses unless told: 4 on a CUDA host with
-    the cores for them (two left to the loop and the driver's threads; 8 were slower than 4 on
-    the H200's host), none on a CPU (the reference backend's torch needs those cores), on a
-    small machine, or for a trace under MIN_STEPS steps: the workers' start and their walk
-    over the prompt step's events cost more than they save there (12-step traces were 1.3-2x
-    slower with them end to end on the H200, docs/gpu.md round 13)."""
+def default_workers(device: torch.device | str, steps: int, kv_tokens: int = 0) -> int:
+    """Workers a replay on `device` of `steps` steps reading a median of `kv_tokens` K/V tokens
+    a step uses unless told: 4 on a CUDA host with the cores for them (two left to the loop and
+    the driver's threads; 8 were slower than 4 on the H200's host), else none. None also on a
+    CPU (the reference backend's torch needs those cores), for a trace under MIN_STEPS steps
+    (the workers' start and their walk over the prompt step's events cost more than they save:
+    12-step traces were 1.2-1.8x slower end to end with them on the H200) and for steps over
+    MAX_KV tokens, where the device's step is long enough to hide the loop's own preparation
+    and receiving the workers' chunks costs more (128 x kv 8k: 2.6x against 2.2x; 64 x 8k
+    mixed; 64 x 2k: 3.9-7.0x against 8.0-11.0x; docs/gpu.md round 13)."""
     cores = os.cpu_count() or 1
-    if torch.device(device).type != "cuda" or steps < MIN_STEPS or cores < 6:
+    if torch.device(device).type != "cuda" or steps < MIN_STEPS or kv_tokens > MAX_KV \
+            or cores < 6:
         return 0
     return min(4, cores - 2)
+
+
+def trace_workers(trace: TraceData, device: torch.device | str) -> int:
+    """`default_workers` for this trace (its steps with rows, the median K/V tokens a step
+    reads over up to 64 of them, evenly spaced)."""
+    steps = [s.step for s in trace.steps if trace.rows[s.step]]
+    sample = steps[:: max(len(steps) // 64, 1)]
+    kv = [sum(r.kv_len for r in trace.rows[s]) for s in sample]
+    return default_workers(device, len(steps), int(np.median(kv)) if kv else 0)
 
 
 def worker_steps(trace: TraceData, state: HostState, device: torch.device | str, workers: int

@@ -184,7 +184,19 @@ def test_workers_by_default_only_on_a_gpu_host_with_cores_for_a_long_trace(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert workers.default_workers("cpu", 1000) == 0
-    assert workers.default_workers("cuda", 1000) == 4
+    assert workers.default_workers("cuda", 1000, 64 * 2048) == 4
     assert workers.default_workers("cuda", workers.MIN_STEPS - 1) == 0
+    assert workers.default_workers("cuda", 1000, 64 * 8192) == 0
     monkeypatch.setattr(os, "cpu_count", lambda: 5)
     assert workers.default_workers("cuda", 1000) == 0
+
+
+def test_the_trace_decides_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    long = load_trace(big_verify(tmp_path / "long", batch=8, kv=256, steps=workers.MIN_STEPS))
+    assert workers.trace_workers(long, "cuda") == 4
+    assert workers.trace_workers(long, "cpu") == 0
+    short = load_trace(big_verify(tmp_path / "short", batch=8, kv=256, steps=12))
+    assert workers.trace_workers(short, "cuda") == 0
+    monkeypatch.setattr(workers, "MAX_KV", 8 * 256 - 1)  # the long trace's steps read more
+    assert workers.trace_workers(long, "cuda") == 0

@@ -114,32 +114,6 @@ class ReplayResult:
         return all(r.verdict == "ok" for r in self.rows)
 
 
-def apply_events(pool: KVPool, trace: TraceData, step: int,
-                 refcount: dict[int, int], poison: frozenset[int] = frozenset()) -> list[int]:
-    """Events after launch step-1 and before launch step; returns the pool indices touched and
-    keeps `refcount` (block -> holders, from the events) current.
-
-    alloc/evict hand a block to a new owner: its old content is garbage to it, so it is poisoned.
-    free keeps content (a cached block may be reused), except the frees whose `seq` is in
-    `poison` (a double free of a live block: see `in_flight_poison`); copy moves the first
-    num_tokens slots."""
-    touched: list[int] = []
-    for key in ((step - 1, "proc"), (step, "sched")):
-        for ev in trace.events.get(key, ()):
-            if ev.event == "done":
-                continue
-            refcount[ev.block] = ev.refcount
-            i = pool.index(ev.block)
-            if ev.event in ("alloc", "evict") or ev.seq in poison:
-                pool.data[i] = float("nan")
-            elif ev.event == "copy" and ev.src >= 0:
-                pool.copy_slots(i, pool.index(ev.src), ev.num_tokens or pool.page_size)
-            else:
-                continue
-            touched.append(i)
-    return touched
-
-
 def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float = DEFAULT_TOL,
            skip: dict[int, str] | None = None,
            on_step: Callable[[int, str], None] | None = None,

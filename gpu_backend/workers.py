@@ -10,13 +10,12 @@ than to build: ~0.3 s before the first generation step at batch 128 x kv 8k), an
 chunks c >= 1 with (c - 1) % N == w (`_owner`). A chunk's preparation needs the host state of
 the steps before it (block refcounts, truth slots, the last step's rewind), so every worker
 walks every step, the other workers' ones cheaply (`prepare.advance`: events and slots, no
-arrays). A prepared chunk
-is its staged words (`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields,
-~60 kB a step at 64 x 2k), written into one of the worker's two shared-memory slots (`_Ring`);
-the pipe carries only which slot. Through the pipe itself a chunk's megabyte cost the loop
-~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger than a slot (a long prompt
-step) still goes that way. The loop receives the chunks in order, one ahead of the steps it
-hands out, as `prepare.prepared_steps` does.
+arrays). A prepared chunk is its staged words (`staging.Chunk.words`) and the steps' metadata
+(pickled `Prepared` fields, ~60 kB a step at 64 x 2k), written into one of the worker's two
+shared-memory slots (`_Ring`); the pipe carries only which slot. Through the pipe itself a
+chunk's megabyte cost the loop ~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger
+than a slot (a long prompt step) still goes that way. The loop receives the chunks in order, at
+most one ahead of the steps it hands out.
 
 Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
 few more CUDA graphs than one process would; the arrays, events and verdicts are the same
@@ -291,7 +290,6 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
             link.conn.send(("error", RuntimeError(f"preparation worker {w}: {e!r}")))
     finally:
         link.conn.close()
-
 
 
 def _write(fd: int, data: memoryview) -> None:

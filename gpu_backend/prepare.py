@@ -158,7 +158,7 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
 
 
 def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
-             chunk: Chunk) -> Prepared:
+                 chunk: Chunk) -> Prepared:
     arrays: dict[str, np.ndarray] = {}
     ops, touched = event_ops(st.trace, s.step, st.guard, st.refcount, flight, arrays, st.shared)
     ops, touched = _pool_ops(st, ops, touched, arrays)

@@ -53,7 +53,7 @@ class Chunk:
         return a.shape, strides, off
 
     def upload(self) -> None:
-        h64 = torch.empty(max(self.n, 1), dtype=torch.int64, pin_memory=self.dev.type == "cuda")
+        h64 = self._pinned(max(self.n, 1))
         if self.parts:
             np.concatenate(self.parts, out=h64.numpy()[: self.n])
         self.load(h64)
@@ -67,7 +67,7 @@ class Chunk:
         """n words read from the pipe `fd` (`words` written by a worker) straight into a pinned
         buffer, for `load`: no framing, no intermediate copy (multiprocessing's
         `recv_bytes_into` reads through a BytesIO, ~4 ms a MB on a development machine)."""
-        h64 = torch.empty(n, dtype=torch.int64, pin_memory=self.dev.type == "cuda")
+        h64 = self._pinned(n)
         view = h64.numpy().data.cast("B")
         got = 0
         while got < len(view):
@@ -79,13 +79,17 @@ class Chunk:
 
     def copy(self, words: np.ndarray) -> torch.Tensor:
         """A pinned copy of words (a worker's, in shared memory), for `load`."""
-        h64 = torch.empty(len(words), dtype=torch.int64, pin_memory=self.dev.type == "cuda")
+        h64 = self._pinned(len(words))
         h64.numpy()[:] = words
         return h64
 
+    def _pinned(self, n: int) -> torch.Tensor:
+        """n int64 words on the host, pinned when they go to a CUDA device."""
+        return torch.empty(n, dtype=torch.int64, pin_memory=self.dev.type == "cuda")
+
     def load(self, h64: torch.Tensor) -> None:
         """The device copy of the staged words and its int32 and bool forms, made there (a
-        host-side int32 twin of a chunk cost ~50 µs a step at batch 64 x kv 2k)."""
+        host-side int32 twin converted every word of every chunk on the host)."""
         d64 = h64.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else h64
         # the int32 form wraps the float64 bits: those are never read as int32
         self.bufs = {"h64": h64, "d64": d64, "d32": d64.to(torch.int32), "db": d64 != 0,

@@ -73,8 +73,9 @@ import torch
 
 from gpu_backend import driver, prepare, workers
 from gpu_backend.calibrate import meta
-from gpu_backend.driver import ReplayResult, max_ok_error, replay
+from gpu_backend.driver import replay
 from gpu_backend.replay import FlashInferKernels
+from gpu_backend.result import ReplayResult, max_ok_error
 from gpu_backend.tracedata import TraceData, load_trace
 from gpu_backend.workers import default_workers
 

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpu_backend.driver import ReplayResult, max_ok_error
 from gpu_backend.oracle import DEFAULT_TOL
+from gpu_backend.result import ReplayResult, max_ok_error
 from gpu_backend.run import run_replay, to_json
 from gpu_backend.tracedata import load_trace
 

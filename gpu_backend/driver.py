@@ -28,8 +28,8 @@ import gc
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -38,16 +38,18 @@ from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tes
 from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
 from gpu_backend.oracle import (
+    CORRUPT,
     DEFAULT_TOL,
     FAULT,
-    VERDICTS,
     TruthStore,
+    blame,
+    judge,
     reference,
     token_errors,
-    verdicts,
 )
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
+from gpu_backend.result import Judged, ReplayResult
 from gpu_backend.tracedata import TraceData
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
 from gpu_backend.workers import trace_workers
@@ -77,41 +79,6 @@ class Kernels(Protocol):
         """Append k/v [nnz_a, H_kv, D] and return attention out [nnz_q, H_q, D] for q.
         dv: the step's arrays (`staging.StepArrays`: device int64/int32/bool, pinned host)."""
         ...
-
-
-@dataclass
-class RowResult:
-    step: int
-    row: int
-    request: int
-    phase: str
-    q_len: int
-    verdict: str
-    err: float
-    message: str = ""
-
-
-@dataclass
-class ReplayResult:
-    backend: str
-    trace: str
-    tol: float
-    rows: list[RowResult] = field(default_factory=list)
-    # what the kernels measured beside the rows (FlashInfer: the plan cache's memory)
-    stats: dict[str, Any] = field(default_factory=dict)
-    prepare_s: float = 0.0  # host seconds spent in `prepare` (not serialized: timing noise)
-    prepare_step_s: dict[int, float] = field(default_factory=dict)  # step -> its share of it
-    watch: str = ""  # how page changes were found (`replay`'s watch)
-
-    def counts(self) -> dict[str, int]:
-        out = dict.fromkeys(VERDICTS, 0)
-        for r in self.rows:
-            out[r.verdict] += 1
-        return out
-
-    @property
-    def ok(self) -> bool:
-        return all(r.verdict == "ok" for r in self.rows)
 
 
 def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float = DEFAULT_TOL,
@@ -359,28 +326,38 @@ def _settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
 
 
 def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
-    """Append the rows' verdicts of the steps of one read-back."""
-    toks = s.toks.numpy() if s.toks is not None else None
+    """Judge the steps of one read-back (`oracle.judge`: one pass over all their tokens), then
+    blame the rows of any step where a page moved."""
+    live = [x for x in s.steps if x.tok is not None]
+    code, err = (judge([x.p.b for x in live], s.toks.numpy(), res.tol) if live and
+                 s.toks is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
     moved = s.moved.numpy() if s.moved is not None else None
-    off = at = 0
-    for x in s.steps:
-        b, rows = x.p.b, x.p.rows
-        if x.tok is None or x.changed is None:
-            code = np.full(b.num_rows, FAULT)
-            err = np.full(b.num_rows, np.nan, dtype=np.float32)
-        else:
-            assert toks is not None and moved is not None
-            n = int(x.changed.numel())
+    if moved is not None and moved.any():
+        at = off = 0
+        for x in live:
+            assert x.changed is not None  # a step that ran has both (`Pending`)
+            n, rows = int(x.changed.numel()), x.p.b.num_rows
             m = moved[at: at + n]
-            changed = watch.changed_pages(x.p, m) if m.any() else None  # None: nothing moved
-            code, err = verdicts(b, toks[:, off: off + b.num_tokens], changed, res.tol)
-            off += b.num_tokens
+            if m.any():
+                bad = blame(x.p.b, watch.changed_pages(x.p, m))
+                code[off: off + rows][bad] = CORRUPT
+            at, off = at + n, off + rows
+    faults = {i: x.fault for i, x in enumerate(s.steps) if x.tok is None}
+    if faults:  # their rows, FAULT and NaN, in step order among the others
+        code, err = _with_faults(s.steps, code, err)
+    res.judged.append(Judged([x.p.rows for x in s.steps], code, err, faults))
+
+
+def _with_faults(steps: list[Pending], code: np.ndarray, err: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    codes, errs, at = [], [], 0
+    for x in steps:
+        n = x.p.b.num_rows
+        if x.tok is None:
+            codes.append(np.full(n, FAULT))
+            errs.append(np.full(n, np.nan, dtype=np.float32))
+        else:
+            codes.append(code[at: at + n])
+            errs.append(err[at: at + n])
             at += n
-        for r, c, e in zip(rows, code.tolist(), err.tolist(), strict=True):
-            res.rows.append(RowResult(r.step, r.row, r.request, r.phase, r.q_len, VERDICTS[c],
-                                      float(e), x.fault if c == FAULT else ""))
-
-
-def max_ok_error(res: ReplayResult) -> float:
-    vals = [r.err for r in res.rows if r.verdict == "ok"]
-    return float(np.max(vals)) if vals else 0.0
+    return np.concatenate(codes), np.concatenate(errs)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from gpu_backend.driver import ReplayResult
+from gpu_backend.result import ReplayResult
 from gpu_backend.run import from_json, run_replay, to_json
 from sim.errors import KvsimError
 

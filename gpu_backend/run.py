@@ -7,7 +7,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from gpu_backend.driver import ReplayResult, RowResult, max_ok_error, replay
+from gpu_backend.driver import replay
+from gpu_backend.result import ReplayResult, RowResult, max_ok_error
 from gpu_backend.tracedata import TraceData, load_trace
 from sim.errors import KvsimError
 

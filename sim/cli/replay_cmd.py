@@ -109,7 +109,7 @@ def _reexec_sanitized() -> None:
 
 
 def _summary(console: Console, res: Any) -> None:
-    from gpu_backend.driver import max_ok_error
+    from gpu_backend.result import max_ok_error
 
     t = Table(title=f"{res.backend} replay of {Path(res.trace).name} (tol {res.tol:g})")
     t.add_column("verdict")

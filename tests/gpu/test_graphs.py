@@ -13,8 +13,9 @@ import pytest
 from replay_traces import SCENARIOS, big_verify
 from watch_cases import Stray
 
-from gpu_backend.driver import ReplayResult, replay
+from gpu_backend.driver import replay
 from gpu_backend.graphs import StepGraphs
+from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData, load_trace
 
 pytestmark = pytest.mark.gpu

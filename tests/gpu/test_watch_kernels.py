@@ -13,8 +13,9 @@ from replay_traces import SCENARIOS
 from watch_cases import CASES, Stray, find_case
 
 from gpu_backend import oracle
-from gpu_backend.driver import ReplayResult, replay
+from gpu_backend.driver import replay
 from gpu_backend.pool import KVPool
+from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData, load_trace
 
 pytestmark = pytest.mark.gpu

@@ -12,8 +12,9 @@ from replay_traces import SCENARIOS
 from watch_cases import CASES, Stray, find_case
 
 from gpu_backend import driver
-from gpu_backend.driver import ReplayResult, replay
+from gpu_backend.driver import replay
 from gpu_backend.reference import ReferenceKernels
+from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData, load_trace
 
 

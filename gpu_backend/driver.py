@@ -332,14 +332,16 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
     code, err = (judge([x.p.b for x in live], s.toks.numpy(), res.tol) if live and
                  s.toks is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
     moved = s.moved.numpy() if s.moved is not None else None
-    if moved is not None and moved.any():
+    suspect = moved
+    if moved is not None and isinstance(watch, IncrementalWatch):  # flags over p.wpages
+        suspect = moved & ~np.concatenate([x.p.wok for x in live])  # the usual step: none
+    if suspect is not None and moved is not None and suspect.any():
         at = off = 0
         for x in live:
             assert x.changed is not None  # a step that ran has both (`Pending`)
             n, rows = int(x.changed.numel()), x.p.b.num_rows
-            m = moved[at: at + n]
-            if m.any():
-                bad = blame(x.p.b, watch.changed_pages(x.p, m))
+            if suspect[at: at + n].any():
+                bad = blame(x.p.b, watch.changed_pages(x.p, moved[at: at + n]))
                 code[off: off + rows][bad] = CORRUPT
             at, off = at + n, off + rows
     faults = {i: x.fault for i, x in enumerate(s.steps) if x.tok is None}

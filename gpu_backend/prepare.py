@@ -74,6 +74,9 @@ class Prepared:
     # expected sums; the others were just re-summed)
     wpages: np.ndarray
     wcheck: int
+    # per page of wpages: the truth lets this step write it, through every append that does
+    # (a checksum that moves there blames nobody: `driver._verdicts` skips the blame)
+    wok: np.ndarray
     graph: GraphKey | None = None  # its CUDA graph's key (`graphs.block`), if any
 
 
@@ -170,6 +173,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     if touched:
         arrays["touched"] = np.unique(touched)
     wpages, wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, touched)
+    wok = _blameless(b, wpages)
     if len(wpages):
         arrays["wpages"] = wpages
     eng_nan, same = _content_arrays(st, b, arrays)
@@ -185,7 +189,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     if graph is not None:
         graphs.span(dv)
     return Prepared(s, rows, b, dv, ops, bool(touched), fill, eng_nan, same, q_identity, groups,
-                    wpages, wcheck, graph)
+                    wpages, wcheck, wok, graph)
 
 
 def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
@@ -231,6 +235,16 @@ def _targets(b: StepBatch, pages: int, touched: list[int]) -> tuple[np.ndarray, 
         return w, len(w)
     hit = member(w, np.sort(np.array(touched, dtype=np.int64)))
     return np.concatenate([w[~hit], w[hit]]), int((~hit).sum())
+
+
+def _blameless(b: StepBatch, wpages: np.ndarray) -> np.ndarray:
+    """[len(wpages)] bool: the page is one the step may write (`allowed_pages`) and every append
+    that targets it may write it (`write_ok`). A moved checksum on such a page is no row's
+    fault (`oracle.blame` finds none), so the usual step needs no blame at all."""
+    ok = member(wpages, np.sort(b.allowed_pages.astype(np.int64)))
+    ew = b.engine_write
+    wrong = np.unique(ew[~b.write_ok])
+    return ok & ~member(wpages, wrong) if len(wrong) else ok
 
 
 def _pool_ops(st: HostState, ops: list[PoolOp], touched: list[int],

@@ -4,18 +4,18 @@ Why: at batch 64 x kv 2k the device runs a step in ~0.32 ms, and preparing one t
 host 0.6-1.0 ms on the loop's own thread (docs/gpu.md, round 12): the replay was bound by the
 host's preparation end to end. Here N forked workers prepare it while the loop only launches.
 
-The steps (those with rows) are cut into chunks of `prepare.CHUNK_STEPS`; the loop prepares
-chunk 0 itself while the workers start (it holds the prompt step, whose arrays cost more to ship
-than to build: ~0.3 s before the first generation step at batch 128 x kv 8k), and worker w the
-chunks c >= 1 with (c - 1) % N == w (`_owner`). A chunk's preparation needs the host state of
-the steps before it (block refcounts, truth slots, the last step's rewind), so every worker
-walks every step, the other workers' ones cheaply (`prepare.advance`: events and slots, no
-arrays). A prepared chunk is its staged words (`staging.Chunk.words`) and the steps' metadata
-(pickled `Prepared` fields, ~60 kB a step at 64 x 2k), written into one of the worker's two
-shared-memory slots (`_Ring`); the pipe carries only which slot. Through the pipe itself a
-chunk's megabyte cost the loop ~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger
-than a slot (a long prompt step) still goes that way. The loop receives the chunks in order, at
-most one ahead of the steps it hands out.
+The steps (those with rows) are cut into chunks: chunk 0, the loop's own while the workers start,
+is the first two steps (the prompts' step, whose arrays cost more to ship than to build: ~0.3 s
+before the first generation step at batch 128 x kv 8k, and the one after it), then chunks of
+`prepare.CHUNK_STEPS` (`_chunk`), worker w's those c >= 1 with (c - 1) % N == w (`_owner`).
+A chunk's preparation needs the host state of the steps before it (block refcounts, truth
+slots, the last step's rewind), so every worker walks every step, the other workers' ones
+cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is its staged words
+(`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields, ~60 kB a step at
+64 x 2k), written into one of the worker's two shared-memory slots (`_Ring`); the pipe carries
+only which slot. Through the pipe itself a chunk's megabyte cost the loop ~1.2 ms on the H200's
+host (docs/gpu.md round 13); a part larger than a slot (a long prompt step) still goes that way.
+The loop receives the chunks in order, at most one ahead of the steps it hands out.
 
 Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
 few more CUDA graphs than one process would; the arrays, events and verdicts are the same
@@ -158,6 +158,18 @@ def _owner(c: int, n: int) -> int:
     return (c - 1) % n if c else -1
 
 
+def _chunk(i: int, per: int) -> int:
+    """The chunk of the i-th step with rows: 0 holds the first LEAD steps, then `per` steps
+    each. The loop prepares chunk 0 while the workers start; the first generation step then
+    waits for worker 0's chunk, not for the loop's own preparation of `per` - 1 more steps
+    (~5 ms at batch 64 x kv 2k on the H200's host)."""
+    return 1 + (i - LEAD) // per if i >= LEAD else 0
+
+
+LEAD = 2  # the prompts' step and the step the loop looks ahead to while it launches that one
+# (`driver._loop` holds the next step before it runs the current one)
+
+
 def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
               steps: list[StepRecord], links: list[_Link], flight: InFlight
               ) -> Iterator[Prepared]:
@@ -166,9 +178,9 @@ def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
     step is left to hand out. The loop waits for a worker only then: blocking for chunk 1 at
     the first step cost ~10 ms before the first generation step at batch 64 x kv 2k."""
     per = prepare.CHUNK_STEPS
-    count = -(-len(steps) // per)
+    count = _chunk(len(steps) - 1, per) + 1 if steps else 0
     t0 = time.perf_counter()
-    ready = deque(_first_chunk(trace, state, device, steps[:per], flight))
+    ready = deque(_first_chunk(trace, state, device, steps[:LEAD], flight))
     state.seconds += time.perf_counter() - t0
     c = 1
     while c < count or ready:
@@ -237,7 +249,8 @@ def _from_slot(ring: _Ring, chunk: Chunk, k: int, nb_words: int, nb_meta: int
                ) -> tuple[Any, int, bool, torch.Tensor]:
     """(metas, words, last part, pinned words) of the chunk in slot k; the slot is free after."""
     base = k * SLOT_BYTES
-    metas, n, last = pickle.loads(ring.mem[base + nb_words: base + nb_words + nb_meta])
+    with memoryview(ring.mem)[base + nb_words: base + nb_words + nb_meta] as meta:
+        metas, n, last = pickle.loads(meta)  # read in place (a slice of the mmap copies it)
     h64 = chunk.copy(np.frombuffer(ring.mem, np.int64, n, base))
     ring.free.release()
     return metas, n, last, h64
@@ -270,14 +283,14 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
         for i, s in enumerate(steps):
             rows = st.trace.rows[s.step]
             t0 = time.perf_counter()
-            if _owner(i // per, n) != w:
-                prepare.advance(st, s, rows, flight, _owner((i + 1) // per, n) == w)
+            if _owner(_chunk(i, per), n) != w:
+                prepare.advance(st, s, rows, flight, _owner(_chunk(i + 1, per), n) == w)
                 _spend(spent, "workers: walk", time.perf_counter() - t0)
                 continue
             p = prepare.prepare_step(st, s, rows, flight, chunk)
             t1 = time.perf_counter()
             metas.append((i, t1 - t0, p.b, p.dv.slots, [getattr(p, k) for k in _REST]))
-            end = (i + 1) % per == 0 or i + 1 == len(steps)
+            end = _chunk(i + 1, per) != _chunk(i, per) or i + 1 == len(steps)
             if end or chunk.n >= prepare.CHUNK_WORDS:
                 _to_slot(link, metas, chunk.words(), end)
                 chunk, metas = Chunk("cpu"), []

@@ -106,3 +106,31 @@ def test_rows_are_built_once_and_follow_new_verdicts() -> None:
     assert [(r.step, r.verdict, r.message) for r in res.rows] == [
         (0, "ok", ""), (1, "fault", "wild"), (2, "fault", "refused")]
     assert res.counts()["fault"] == 2 and not res.ok
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS) + FAULTS)
+def test_moved_pages_blame_a_row_exactly_when_some_is_not_blameless(tmp_path: Path,
+                                                                    name: str) -> None:
+    """`Prepared.wok` (the driver's shortcut past `oracle.blame`): moved flags over the step's
+    target pages blame some row if and only if one of them falls on a page not `wok`."""
+    from replay_traces import any_trace
+
+    from gpu_backend.driver import GUARD_PAGES
+    from gpu_backend.oracle import blame
+    from gpu_backend.prepare import HostState, prepared_steps, truth_shape
+
+    t = load_trace(any_trace(tmp_path, name))
+    slots, _, last = truth_shape(t)
+    st = HostState(t, GUARD_PAGES, t.model.max_position, last=last,
+                   free=list(range(slots))[::-1])
+    rng = np.random.default_rng(2)
+    both = [0, 0]
+    for p in prepared_steps(t, st, "cpu"):
+        for _ in range(4):
+            m = rng.random(len(p.wpages)) < rng.choice([0.1, 0.5, 1.0])
+            changed = np.zeros(t.model.num_blocks + 2 * GUARD_PAGES, dtype=bool)
+            changed[p.wpages] = m
+            suspect = bool((m & ~p.wok).any())
+            assert blame(p.b, changed).any() == suspect
+            both[suspect] += 1
+    assert both[0]  # every trace has steps whose writes blame nobody

@@ -137,7 +137,8 @@ def test_a_workers_error_is_raised_by_the_loop(tmp_path: Path,
     t.prompts[1] = ()  # request 1 starts at committed 20 in step 1, on a shared prefix
     with pytest.raises(TraceError, match="request 1 starts at committed 20"):
         _steps(t, 0)
-    monkeypatch.setattr(prepare, "CHUNK_STEPS", 1)  # step 1: a worker's (the loop's is step 0)
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 1)
+    monkeypatch.setattr(workers, "LEAD", 1)  # step 1: a worker's (the loop's is step 0)
     monkeypatch.setattr(workers, "_first_chunk", _no_error(workers._first_chunk))
     with pytest.raises(TraceError, match="request 1 starts at committed 20"):
         _steps(t, 2)
@@ -200,3 +201,8 @@ def test_the_trace_decides_the_default(tmp_path: Path, monkeypatch: pytest.Monke
     assert workers.trace_workers(short, "cuda") == 0
     monkeypatch.setattr(workers, "MAX_KV", 8 * 256 - 1)  # the long trace's steps read more
     assert workers.trace_workers(long, "cuda") == 0
+
+
+def test_chunk_zero_is_the_first_two_steps_then_chunks_of_chunk_steps() -> None:
+    assert [workers._chunk(i, 3) for i in range(9)] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
+    assert [workers._chunk(i, 1) for i in range(4)] == [0, 0, 1, 2]

@@ -11,11 +11,12 @@ before the first generation step at batch 128 x kv 8k, and the one after it), th
 A chunk's preparation needs the host state of the steps before it (block refcounts, truth
 slots, the last step's rewind), so every worker walks every step, the other workers' ones
 cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is its staged words
-(`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields, ~60 kB a step at
-64 x 2k), written into one of the worker's two shared-memory slots (`_Ring`); the pipe carries
-only which slot. Through the pipe itself a chunk's megabyte cost the loop ~1.2 ms on the H200's
-host (docs/gpu.md round 13); a part larger than a slot (a long prompt step) still goes that way.
-The loop receives the chunks in order, at most one ahead of the steps it hands out.
+(`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields with the batch as
+`StepBatch.shipped`, ~10 kB a step at 64 x 2k), written into the worker's shared-memory slot
+(`_Ring`); the pipe carries only which slot. Through the pipe itself a chunk's megabyte cost the
+loop ~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger than a slot (a long prompt
+step) still goes that way. The loop receives the chunks in order, at most one ahead of the steps
+it hands out.
 
 Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
 few more CUDA graphs than one process would; the arrays, events and verdicts are the same
@@ -132,7 +133,11 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
             link.ring.mem.close()
 
 
-SLOTS = 2  # shared buffers a worker cycles through: it fills one while the loop reads the other
+SLOTS = 1  # shared buffers a worker cycles through. One is enough: a worker's next chunk comes N
+# chunks after its last, which the loop has copied out by then (the worker prepares the next one
+# meanwhile, in its own memory); and every slot the loop reads for the first time costs it page
+# faults (0.2-1.3 ms a MB on a development machine): two a worker, 8 of a 96-step replay's 12
+# chunks were such first reads
 SLOT_BYTES = 8 * prepare.CHUNK_WORDS + (16 << 20)  # a chunk's words and its metadata
 
 
@@ -196,19 +201,16 @@ def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
 
 def _first_chunk(trace: TraceData, state: HostState, device: torch.device | str,
                  steps: list[StepRecord], flight: InFlight) -> list[Prepared]:
-    """Chunk 0's steps prepared and staged by the loop, in uploads of at most CHUNK_WORDS as
-    `prepare.prepared_steps` makes them."""
+    """Chunk 0's steps prepared and staged by the loop, an upload each: a step's upload is
+    part of its preparation time (the prompts' step's, megabytes at batch 64, is then not
+    counted against the first generation step's)."""
     out: list[Prepared] = []
-    part: list[Prepared] = []
-    chunk = Chunk(device)
     for s in steps:
         t0 = time.perf_counter()
-        part.append(prepare.prepare_step(state, s, trace.rows[s.step], flight, chunk))
+        chunk = Chunk(device)
+        out.append(prepare.prepare_step(state, s, trace.rows[s.step], flight, chunk))
+        chunk.upload()
         state.step_seconds[s.step] = time.perf_counter() - t0
-        if chunk.n >= prepare.CHUNK_WORDS or s is steps[-1]:
-            chunk.upload()
-            out += part
-            chunk, part = Chunk(device), []
     return out
 
 
@@ -289,7 +291,8 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
                 continue
             p = prepare.prepare_step(st, s, rows, flight, chunk)
             t1 = time.perf_counter()
-            metas.append((i, t1 - t0, p.b, p.dv.slots, [getattr(p, k) for k in _REST]))
+            metas.append((i, t1 - t0, p.b.shipped(), p.dv.slots,
+                          [getattr(p, k) for k in _REST]))
             end = _chunk(i + 1, per) != _chunk(i, per) or i + 1 == len(steps)
             if end or chunk.n >= prepare.CHUNK_WORDS:
                 _to_slot(link, metas, chunk.words(), end)

@@ -19,6 +19,7 @@ from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify
 
 from gpu_backend import prepare, workers
 from gpu_backend.driver import GUARD_PAGES, replay
+from gpu_backend.layout import PREP_ONLY
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.tracedata import TraceData, load_trace
@@ -41,8 +42,11 @@ def _same_step(a: Prepared, b: Prepared) -> None:
               "wcheck"):
         assert getattr(a, f) == getattr(b, f), f
     assert np.array_equal(a.wpages, b.wpages)
-    assert all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y
-               for x, y in zip(vars(a.b).values(), vars(b.b).values(), strict=True))
+    for k, x in vars(a.b).items():  # a worker's step: what the loop reads (`shipped`)
+        y = getattr(b.b, k)
+        if x is None and k in PREP_ONLY:
+            continue
+        assert np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y, k
     # each worker grows its own graph capacities: a padded graph block may differ, nothing else
     assert (a.graph is None) == (b.graph is None)
     pad = a.graph != b.graph
@@ -72,6 +76,10 @@ def test_a_batch_unpickles_as_it_was(tmp_path: Path, name: str) -> None:
     t = load_trace(SCENARIOS[name](tmp_path / name))
     for p in _steps(t, 0):
         got = pickle.loads(pickle.dumps(p.b, protocol=pickle.HIGHEST_PROTOCOL))
+        slim = pickle.loads(pickle.dumps(p.b.shipped(), protocol=pickle.HIGHEST_PROTOCOL))
+        assert all(getattr(slim, k) is None for k in PREP_ONLY)
+        assert all(np.array_equal(v, getattr(slim, k)) for k, v in vars(p.b).items()
+                   if k not in PREP_ONLY and isinstance(v, np.ndarray))
         for (k, x), y in zip(vars(p.b).items(), vars(got).values(), strict=True):
             if isinstance(x, np.ndarray):
                 assert (x.dtype, x.shape) == (y.dtype, y.shape) and y.flags.writeable, k
@@ -113,16 +121,21 @@ def test_a_part_larger_than_a_slot_takes_the_pipe(tmp_path: Path,
         _same_step(a, b)
 
 
-@pytest.mark.parametrize("name", ["append_past_alloc", "clean_mtp", "overlap_uncorrected"])
+@pytest.mark.parametrize("name", [*sorted(SCENARIOS), *FAULTS])
 def test_workers_give_the_same_verdicts(tmp_path: Path, name: str,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    t = load_trace(SCENARIOS[name](tmp_path / name))
+    """... with the batches they ship (`StepBatch.shipped`): the loop reads no field they
+    leave out."""
+    t = load_trace(any_trace(tmp_path, name))
     m = t.model
 
     def rows(n: int) -> list[tuple[Any, ...]]:
         res = replay(t, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=n)
         assert res.stats["prepare_workers"] == n
-        return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows]
+        # the error of an ok row only: a corrupt row's can race (gne_without_headroom: two
+        # appends to one slot in one launch land in no fixed order, with or without workers)
+        return [(r.step, r.row, r.verdict, r.err if r.verdict == "ok" else None, r.message)
+                for r in res.rows]
 
     monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
     assert rows(2) == rows(0)

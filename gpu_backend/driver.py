@@ -16,10 +16,10 @@ Per step k:
 
 Everything that depends on the trace alone is built ahead on the host (`prepare`) and uploaded a
 chunk of steps at a time, so a step only queues device work: no numpy, no host-device syncs. The
-device's per-token errors and moved pages are copied back every EARLY steps (a graph step's
-right behind it), behind those steps' work, and turned into verdicts on the host (`oracle.judge`)
-once they have arrived, while the device runs the steps after them. The host waits for all of
-it every FLUSH steps, after FLUSH_TOKENS query tokens (a long prompt step) and at the end.
+device's per-token errors and moved pages are copied back every EARLY steps, behind those steps'
+work, and turned into verdicts on the host (`oracle.judge`) once they have arrived, while the
+device runs the steps after them. The host waits for all of it every FLUSH steps, after FLUSH_TOKENS
+query tokens (a long prompt step) and at the end.
 """
 
 from __future__ import annotations
@@ -277,43 +277,31 @@ def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int
 
 @dataclass
 class Sent:
-    """Pending steps whose verdict data is on its way to the host, each step's in its own pinned
-    tensors (a graph step copies its own, `graphs.StepGraphs.run`); `ready` fires when the
-    copies are done (None: the data was on the host already)."""
+    """Pending steps whose device data is on its way to the host: per-token errors and moved
+    pages concatenated over the steps, copied into pinned memory behind the steps' work;
+    `ready` fires when the copies are done (None: the data is already on the host)."""
     steps: list[Pending]
+    toks: torch.Tensor | None
+    moved: torch.Tensor | None
     ready: torch.cuda.Event | None
 
 
 def _send(pending: list[Pending]) -> Sent:
-    """Queue the read-back of the pending steps' verdict data still on the device (no wait):
-    their per-token errors, then their moved pages, each in one copy. Clears `pending`."""
-    ran = [x for x in pending if x.tok is not None]
-    copied = _gather(ran, "tok", 1) | _gather(ran, "changed", 0)
-    out = Sent(list(pending), None)
-    if copied or any(x.tok is not None and x.tok.is_pinned() for x in ran):
+    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
+    toks = [x.tok for x in pending if x.tok is not None]
+    moved = [x.changed for x in pending if x.changed is not None]
+    out = Sent(list(pending), _to_host(torch.cat(toks, 1)) if toks else None,
+               _to_host(torch.cat(moved)) if moved else None, None)
+    if any(x is not None and x.is_pinned() for x in (out.toks, out.moved)):
         out.ready = torch.cuda.Event()
         out.ready.record()
     pending.clear()
     return out
 
 
-def _gather(steps: list[Pending], name: str, dim: int) -> bool:
-    """The steps' device tensors `name` concatenated along dim into one pinned copy, each
-    step's now a view of it. True if there were any."""
-    on = [x for x in steps if getattr(x, name).is_cuda]
-    if not on:
-        return False
-    parts = [getattr(x, name) for x in on]
-    host = _to_host(torch.cat(parts, dim))
-    at = 0
-    for x, t in zip(on, parts, strict=True):
-        n = int(t.shape[dim])
-        setattr(x, name, host.narrow(dim, at, n))
-        at += n
-    return True
-
-
 def _to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return x
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
     return host.copy_(x, non_blocking=True)
 
@@ -340,13 +328,10 @@ def _settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
 def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
     """Judge the steps of one read-back (`oracle.judge`: one pass over all their tokens), then
     blame the rows of any step where a page moved."""
-    live = [x for x in s.steps if x.tok is not None and x.changed is not None]
-    code, err = np.zeros(0, np.int64), np.zeros(0, np.float32)
-    moved = None
-    if live:
-        toks = np.concatenate([x.tok.numpy() for x in live if x.tok is not None], 1)
-        code, err = judge([x.p.b for x in live], toks, res.tol)
-        moved = np.concatenate([x.changed.numpy() for x in live if x.changed is not None])
+    live = [x for x in s.steps if x.tok is not None]
+    code, err = (judge([x.p.b for x in live], s.toks.numpy(), res.tol) if live and
+                 s.toks is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
+    moved = s.moved.numpy() if s.moved is not None else None
     suspect = moved
     if moved is not None and isinstance(watch, IncrementalWatch):  # flags over p.wpages
         suspect = moved & ~np.concatenate([x.p.wok for x in live])  # the usual step: none

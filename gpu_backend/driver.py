@@ -331,11 +331,11 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
     live = [x for x in s.steps if x.tok is not None]
     code, err = (judge([x.p.b for x in live], s.toks.numpy(), res.tol) if live and
                  s.toks is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
-    moved = s.moved.numpy() if s.moved is not None else None
+    moved = s.moved.numpy() if s.moved is not None else np.zeros(0, dtype=bool)
     suspect = moved
-    if moved is not None and isinstance(watch, IncrementalWatch):  # flags over p.wpages
+    if moved.size and isinstance(watch, IncrementalWatch):  # flags over each step's wpages
         suspect = moved & ~np.concatenate([x.p.wok for x in live])  # the usual step: none
-    if suspect is not None and moved is not None and suspect.any():
+    if suspect.any():
         at = off = 0
         for x in live:
             assert x.changed is not None  # a step that ran has both (`Pending`)

@@ -143,7 +143,8 @@ def judge(batches: list[StepBatch], tok: np.ndarray, tol: float
         row, n = batches[0].row_of_token, batches[0].num_rows
     else:
         offs = np.cumsum([0] + [b.num_rows for b in batches]).tolist()
-        row = np.concatenate([b.row_of_token + o for b, o in zip(batches, offs, strict=False)])
+        row = np.concatenate([b.row_of_token + o
+                              for b, o in zip(batches, offs[:-1], strict=True)])
         n = offs[-1]
     err, ref_max = tok[0], tok[1]
     tok_nan = np.isnan(err) & ~np.isnan(ref_max)  # out has a NaN where the reference has none

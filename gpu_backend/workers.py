@@ -291,8 +291,7 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
                 continue
             p = prepare.prepare_step(st, s, rows, flight, chunk)
             t1 = time.perf_counter()
-            metas.append((i, t1 - t0, p.b.shipped(), p.dv.slots,
-                          [getattr(p, k) for k in _REST]))
+            metas.append(_meta(i, t1 - t0, p))
             end = _chunk(i + 1, per) != _chunk(i, per) or i + 1 == len(steps)
             if end or chunk.n >= prepare.CHUNK_WORDS:
                 _to_slot(link, metas, chunk.words(), end)
@@ -306,6 +305,11 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
             link.conn.send(("error", RuntimeError(f"preparation worker {w}: {e!r}")))
     finally:
         link.conn.close()
+
+
+def _meta(i: int, seconds: float, p: Prepared) -> tuple[Any, ...]:
+    """What the loop needs of the i-th step besides its words (`_receive` makes the Prepared)."""
+    return i, seconds, p.b.shipped(), p.dv.slots, [getattr(p, k) for k in _REST]
 
 
 def _write(fd: int, data: memoryview) -> None:

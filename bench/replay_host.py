@@ -1,0 +1,185 @@
+"""The GPU replay's host work per generation step, measured on any machine (no GPU needed).
+
+python bench/replay_host.py [--sweep 64x2048,64x8192,128x8192] [--steps 96] [--json OUT]
+
+At batch 64 x kv 2k the H200 runs a replay step in ~0.32 ms (2.1x the kernels' own time,
+docs/gpu.md round 14), so the replay's end-to-end ratio is set by what the host does around
+it. This bench times that host work without a device, on the same benchmark trace as
+`bench/gpu_replay.py --sweep` (`tests/unit/replay_traces.py` big_verify, MTP W=4), by stage of
+the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per generation step
+(the prompts' step left out):
+
+- prepare: `prepare.prepare_step` (what the loop's own preparation costs, and each worker's
+  step of its own chunks);
+- walk: `prepare.advance` (a worker's step of the other workers' chunks);
+- ship: a worker's shipping of a prepared chunk (`workers._meta`, the words, `workers._to_slot`
+  into a shared-memory slot), per step;
+- receive: the loop's side (`workers._receive`: the slot's metadata unpickled, its words copied,
+  each step's `Prepared` made), per step. The chunk's upload is the device's part and is left
+  out (`Chunk.load` keeps the host words only): on the H200 it is an async copy and three
+  launches a chunk;
+- bytes: words and metadata a step crosses from a worker to the loop.
+
+Each figure is the median over --reps passes (after one warm-up pass) of the pass's mean per
+step. Worker and loop run in this one process here (the slot and pipe are the real ones), so
+nothing waits on another process: these are the stages' own costs. The H200's host ran this
+Python 1.5-4.5x slower than a development machine (docs/gpu.md round 14): compare figures
+within one run (`--before`: the same bench's JSON for the code before a change, run just
+before on the same machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import pickle
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from environment import ROOT, environment
+
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
+
+from gpu_backend import prepare, staging, workers  # noqa: E402
+from gpu_backend.events import in_flight_poison  # noqa: E402
+from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
+
+
+def _host_load(self: staging.Chunk, h64: Any) -> None:
+    """`Chunk.load` without the device: the host words only (see the module's docstring)."""
+    self.bufs, self.parts = {"h64": h64}, []
+
+
+def _state(trace: TraceData) -> prepare.HostState:
+    slots, _, last = prepare.truth_shape(trace)
+    return prepare.HostState(trace, 16, trace.model.max_position, last=last,
+                             free=list(range(slots))[::-1], graphs=True)
+
+
+def _prepare_pass(trace: TraceData) -> float:
+    """µs per generation step of `prepare_step` on one thread."""
+    st, flight = _state(trace), in_flight_poison(trace)
+    spent = []
+    for s in (x for x in trace.steps if trace.rows[x.step]):
+        t0 = time.perf_counter()
+        prepare.prepare_step(st, s, trace.rows[s.step], flight, staging.Chunk("cpu"))
+        spent.append(time.perf_counter() - t0)
+    return sum(spent[1:]) / max(len(spent) - 1, 1) * 1e6
+
+
+def _walk_pass(trace: TraceData) -> float:
+    """µs per generation step of `advance` (no rewind: the usual walked step)."""
+    st, flight = _state(trace), in_flight_poison(trace)
+    spent = []
+    for s in (x for x in trace.steps if trace.rows[x.step]):
+        t0 = time.perf_counter()
+        prepare.advance(st, s, trace.rows[s.step], flight, False)
+        spent.append(time.perf_counter() - t0)
+    return sum(spent[1:]) / max(len(spent) - 1, 1) * 1e6
+
+
+def _ship_pass(trace: TraceData) -> dict[str, float]:
+    """µs per generation step of shipping and of receiving, and the bytes a step ships, over
+    chunks of `prepare.CHUNK_STEPS` (the worker's preparation itself is not timed)."""
+    steps = [s for s in trace.steps if trace.rows[s.step]]
+    st, loop, flight = _state(trace), _state(trace), in_flight_poison(trace)
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    ring = workers._Ring(ctx)
+    wlink, llink = workers._Link(send, ring), workers._Link(recv, ring)
+    prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, staging.Chunk("cpu"))
+    ship = receive = 0.0
+    words = meta = 0
+    per = prepare.CHUNK_STEPS
+    try:
+        for at in range(1, len(steps), per):
+            chunk, prepared = staging.Chunk("cpu"), []
+            for i in range(at, min(at + per, len(steps))):
+                s = steps[i]
+                prepared.append((i, prepare.prepare_step(st, s, trace.rows[s.step], flight,
+                                                         chunk)))
+            t0 = time.perf_counter()
+            metas = [workers._meta(i, 0.0, p) for i, p in prepared]
+            w = chunk.words()
+            workers._to_slot(wlink, metas, w, True)
+            t1 = time.perf_counter()
+            got = workers._receive(trace, loop, "cpu", steps, llink)
+            t2 = time.perf_counter()
+            assert len(got) == len(prepared)
+            ship, receive = ship + t1 - t0, receive + t2 - t1
+            words += w.nbytes
+            meta += len(pickle.dumps((metas, len(w), True), pickle.HIGHEST_PROTOCOL))
+    finally:
+        recv.close()
+        send.close()
+        ring.mem.close()
+    n = len(steps) - 1
+    return {"ship_us": ship / n * 1e6, "receive_us": receive / n * 1e6,
+            "words_bytes": words / n, "meta_bytes": meta / n}
+
+
+def _median(fn: Callable[[], Any], reps: int) -> Any:
+    fn()  # warm-up: numba's load, first-touch pages
+    runs = [fn() for _ in range(reps)]
+    if isinstance(runs[0], dict):
+        return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return statistics.median(runs)
+
+
+def measure(trace: TraceData, reps: int) -> dict[str, float]:
+    staging.Chunk.load = _host_load  # type: ignore[method-assign]
+    out = {"prepare_us": _median(lambda: _prepare_pass(trace), reps),
+           "walk_us": _median(lambda: _walk_pass(trace), reps)}
+    return out | _median(lambda: _ship_pass(trace), reps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.split("\n")[2:]))
+    ap.add_argument("--sweep", default="64x2048,64x8192,128x8192", metavar="BxKV,...",
+                    help="batch x kv_len of the benchmark trace (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=96, help="generation steps (default 96)")
+    ap.add_argument("--reps", type=int, default=5, help="timed passes per figure (default 5)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/kvsim-replay-host"),
+                    help="where the benchmark traces are written")
+    ap.add_argument("--json", type=Path, help="write the result here")
+    ap.add_argument("--before", type=Path,
+                    help="this bench's JSON for the code before a change (same machine, just "
+                    "before): kept under 'before', with after/before ratios")
+    a = ap.parse_args()
+    from replay_traces import big_verify
+
+    out: dict[str, Any] = environment() | {"steps": a.steps, "reps": a.reps, "sizes": []}
+    for size in a.sweep.split(","):
+        try:
+            batch, kv = (int(x) for x in size.lower().split("x"))
+        except ValueError:
+            ap.error(f"--sweep: {size!r} is not BATCHxKV (e.g. 64x2048)")
+        trace = load_trace(big_verify(a.work / f"big_{batch}x{kv}_{a.steps}", batch=batch, kv=kv,
+                                      steps=a.steps))
+        r = {"batch": batch, "kv": kv} | measure(trace, a.reps)
+        print(f"batch {batch:4d} kv {kv:6d}: " + ", ".join(
+            f"{k} {v:.1f}" for k, v in r.items() if k not in ("batch", "kv")), flush=True)
+        out["sizes"].append(r)
+    if a.before:
+        out["before"] = before = json.loads(a.before.read_text())
+        out["after_over_before"] = [
+            {"batch": x["batch"], "kv": x["kv"]} | {
+                k: round(x[k] / y[k], 3) for k in x if k not in ("batch", "kv") and y.get(k)}
+            for x, y in zip(out["sizes"], before["sizes"], strict=False)]
+        print(json.dumps(out["after_over_before"], indent=1))
+    if a.json:
+        tmp = a.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(out, indent=1))
+        tmp.replace(a.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -45,7 +45,7 @@ from gpu_backend import prepare
 from gpu_backend.events import InFlight, in_flight_poison
 from gpu_backend.layout import build_step
 from gpu_backend.prepare import HostState, Prepared
-from gpu_backend.staging import Chunk, StepArrays
+from gpu_backend.staging import Chunk, PackedSlots, StepArrays
 from gpu_backend.tracedata import TraceData
 from sim.errors import KvsimError
 from sim.trace.records import StepRecord
@@ -309,7 +309,7 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
 
 def _meta(i: int, seconds: float, p: Prepared) -> tuple[Any, ...]:
     """What the loop needs of the i-th step besides its words (`_receive` makes the Prepared)."""
-    return i, seconds, p.b.shipped(), p.dv.slots, [getattr(p, k) for k in _REST]
+    return i, seconds, p.b.shipped(), PackedSlots(p.dv.slots), [getattr(p, k) for k in _REST]
 
 
 def _write(fd: int, data: memoryview) -> None:

@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import pickle
 import time
+from dataclasses import FrozenInstanceError
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.layout import PREP_ONLY
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.reference import ReferenceKernels
+from gpu_backend.staging import PackedSlots
 from gpu_backend.tracedata import TraceData, load_trace
 from sim.errors import KvsimError, TraceError
 
@@ -86,6 +88,23 @@ def test_a_batch_unpickles_as_it_was(tmp_path: Path, name: str) -> None:
                 assert np.array_equal(x, y), k
             else:
                 assert x == y, k
+        with pytest.raises(FrozenInstanceError):  # made without __init__, still frozen
+            got.step = -1  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["clean_mtp_xqa", "shared_block_written", "overlong_fa2"])
+def test_packed_slots_are_the_slots(tmp_path: Path, name: str) -> None:
+    """`staging.PackedSlots` (how a worker ships a step's slots): every slot back after
+    pickling, in order, the 2-D and empty ones too; an unknown name is a KeyError."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    for p in _steps(t, 0):
+        slots = p.dv.slots
+        got = pickle.loads(pickle.dumps(PackedSlots(slots), protocol=pickle.HIGHEST_PROTOCOL))
+        assert list(got) == list(slots) and len(got) == len(slots)
+        assert {k: got[k] for k in reversed(list(slots))} == slots
+        with pytest.raises(KeyError):
+            got["no such array"]
+    assert any(len(s[0]) == 2 for s in slots.values())
 
 
 def test_a_chunk_larger_than_one_upload_arrives_whole(tmp_path: Path,

@@ -5,9 +5,9 @@ host 0.6-1.0 ms on the loop's own thread (docs/gpu.md, round 12): the replay was
 host's preparation end to end. Here N forked workers prepare it while the loop only launches.
 
 The steps (those with rows) are cut into chunks: chunk 0, the loop's own while the workers start,
-is the first two steps (the prompts' step, whose arrays cost more to ship than to build: ~0.3 s
-before the first generation step at batch 128 x kv 8k, and the one after it), then chunks of
-`prepare.CHUNK_STEPS` (`_chunk`), worker w's those c >= 1 with (c - 1) % N == w (`_owner`).
+is the prompts' step (whose arrays cost more to ship than to build: ~0.3 s before the first
+generation step at batch 128 x kv 8k), then chunks of 1, 2, ... up to `prepare.CHUNK_STEPS`
+steps (`_chunk`), worker w's those c >= 1 with (c - 1) % N == w (`_owner`).
 A chunk's preparation needs the host state of the steps before it (block refcounts, truth
 slots, the last step's rewind), so every worker walks every step, the other workers' ones
 cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is its staged words
@@ -163,18 +163,23 @@ def _owner(c: int, n: int) -> int:
     return (c - 1) % n if c else -1
 
 
-LEAD = 2  # the prompts' step and the step the loop looks ahead to while it launches that one
-# (`driver._loop` holds the next step before it runs the current one)
+LEAD = 1  # chunk 0, the loop's own: the prompts' step. The loop then looks ahead to step 1 while
+# it launches that one (`driver._loop` holds the next step before it runs the current one),
+# from worker 0: its chunk is ready by then unless the prompts' step is light (the ramp below)
 
 
 def _chunk(i: int, per: int) -> int:
-    """The chunk of the i-th step with rows: 0 holds the first LEAD steps, then `per` steps
-    each. The loop prepares chunk 0 while the workers start; the generation steps after the
-    first then come from worker 0's chunk, not from the loop's own preparation of more steps
-    (~5 ms at batch 64 x kv 2k on the H200's host when chunk 0 was `per` steps)."""
-    return 1 + (i - LEAD) // per if i >= LEAD else 0
-
-
+    """The chunk of the i-th step with rows: 0 holds the first LEAD steps, then chunk c has
+    min(c, per) steps. Why the ramp: a worker's first chunk after the fork comes slowly (its
+    first writes copy the pages it shares with the loop: 8 steps took 11-17 ms on a development
+    machine against ~4 ms warm) and the loop needs it at once; each later one is needed after
+    the loop has run all the chunks before it."""
+    if i < LEAD:
+        return 0
+    j, c = i - LEAD, 1
+    while c < per and j >= c:
+        j, c = j - c, c + 1
+    return c + j // per if c == per else c
 def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
               steps: list[StepRecord], links: list[_Link], flight: InFlight
               ) -> Iterator[Prepared]:

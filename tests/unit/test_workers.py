@@ -235,6 +235,9 @@ def test_the_trace_decides_the_default(tmp_path: Path, monkeypatch: pytest.Monke
     assert workers.trace_workers(long, "cuda") == 0
 
 
-def test_chunk_zero_is_the_first_two_steps_then_chunks_of_chunk_steps() -> None:
-    assert [workers._chunk(i, 3) for i in range(9)] == [0, 0, 1, 1, 1, 2, 2, 2, 3]
-    assert [workers._chunk(i, 1) for i in range(4)] == [0, 0, 1, 2]
+def test_chunk_zero_is_the_prompt_step_then_chunks_grow_to_chunk_steps() -> None:
+    assert [workers._chunk(i, 3) for i in range(14)] == [0, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5,
+                                                         6]
+    assert [workers._chunk(i, 1) for i in range(4)] == [0, 1, 2, 3]
+    sizes = np.bincount([workers._chunk(i, 8) for i in range(1000)])
+    assert list(sizes[:10]) == [1, 1, 2, 3, 4, 5, 6, 7, 8, 8] and set(sizes[9:-1]) == {8}

@@ -90,13 +90,22 @@ class Chunk:
         return torch.empty(n, dtype=torch.int64, pin_memory=self.dev.type == "cuda")
 
     def load(self, h64: torch.Tensor) -> None:
-        """The device copy of the staged words and its int32 and bool forms, made there (a
-        host-side int32 twin converted every word of every chunk on the host)."""
+        """The device copy of the staged words. Its int32 and bool forms are made there (a
+        host-side int32 twin converted every word of every chunk on the host), when a view first
+        needs them: a chunk of CUDA-graph steps never does (`graphs.StepGraphs` makes its own
+        int32 twin), and each form cost the loop a launch a chunk."""
         d64 = h64.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else h64
-        # the int32 form wraps the float64 bits: those are never read as int32
-        self.bufs = {"h64": h64, "d64": d64, "d32": d64.to(torch.int32), "db": d64 != 0,
-                     "f64": d64.view(torch.float64)}
+        self.bufs = {"h64": h64, "d64": d64, "f64": d64.view(torch.float64)}
         self.parts = []
+
+    def _form(self, copy: str) -> torch.Tensor:
+        """One of the chunk's device copies, the int32 and bool forms made on first use (the
+        int32 form wraps the float64 bits: those are never read as int32)."""
+        t = self.bufs.get(copy)
+        if t is None:
+            d64 = self.bufs["d64"]
+            t = self.bufs[copy] = d64.to(torch.int32) if copy == "d32" else d64 != 0
+        return t
 
     def view(self, copy: str, slot: Slot) -> torch.Tensor:
         if copy == "h32":  # a small index array a planner reads on the host
@@ -107,7 +116,7 @@ class Chunk:
             return self.bufs["h64"].as_strided(*slot).to(torch.int32)
         # one as_strided (every buffer is 1-D from storage offset 0): ~1 µs of host per view,
         # a slice + view + np.prod ~5 (a step makes ~20 views)
-        return self.bufs[copy].as_strided(*slot)
+        return self._form(copy).as_strided(*slot)
 
 
 class StepArrays(Mapping[str, torch.Tensor]):

@@ -53,12 +53,6 @@ from gpu_backend.staging import ALIGN, StepArrays
 # device made RING steps ago, so it waits only when the device is RING steps behind (one buffer,
 # as FlashInfer's wrapper has, made it wait ~100 µs a step at batch 64 x kv 2k on the H200)
 RING = 4
-# results a graph keeps, a slot a run: the graph itself copies its results into the next slot
-# (a counter on the device, advanced in the graph), so a step's results need no copy of their
-# own on the loop's thread (a clone a step: 28-40 µs of host on the H200, docs/gpu.md round 14).
-# A slot is rewritten OUTS runs of its graph later; the loop queues every step's read-back
-# within `driver.EARLY` steps, ahead of that on the stream
-OUTS = 32
 # the block's fields in order: (field, the step's array staged for it, how the kernels read it:
 # "f" float64, "i" int64, "w" int32); "g0_" is the reference's one group (`prepare.RefGroup`)
 _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
@@ -159,9 +153,6 @@ class _Entry:
     pins: list[torch.Tensor] = field(default_factory=list)
     fences: list[torch.cuda.Event] = field(default_factory=list)
     plans: int = 0
-    ring: torch.Tensor | None = None  # [OUTS, len(out)] the runs' results, slot `at` next
-    at: torch.Tensor | None = None  # [1] int64 on the device: the slot the next run fills
-    runs: int = 0  # runs so far (eager or replayed): the host's copy of `at`
 
 
 class StepGraphs:
@@ -207,9 +198,11 @@ class StepGraphs:
         else:
             self.fallbacks += 1
             return None
-        assert e.ring is not None
-        out = e.ring[e.runs % OUTS]  # this run's slot (`_body`)
-        e.runs += 1
+        assert e.out is not None
+        # the step's own copy: the next replay rewrites e.out (a pinned host copy a step
+        # instead, which the read-back need not gather, measured no better on the H200's
+        # hosts: 52-58 µs a step with the views against 28-40; docs/gpu.md round 14)
+        out = e.out.clone()
         n = p.b.num_tokens  # the layout of `_out`
         tok = out[: 8 * n].view(torch.float32).view(2, n)
         moved = out[8 * n: 8 * n + len(p.wpages)].view(torch.bool) if self.checks else None
@@ -289,8 +282,6 @@ class StepGraphs:
                        None, w._max_total_num_rows, key[0], self.hq, hkv, b.page_size, True, d,
                        d, True, -1, -1, False, 0, key[1]]
         e.out = self._out(key, b.num_tokens)
-        e.ring = torch.empty(OUTS, e.out.numel(), dtype=torch.uint8, device=e.out.device)
-        e.at = torch.zeros(1, dtype=torch.int64, device=e.out.device)
         return True
 
     def _out(self, key: Key, n: int) -> torch.Tensor:
@@ -315,9 +306,8 @@ class StepGraphs:
         return g
 
     def _body(self, e: _Entry, key: Key) -> None:
-        """The step's device work over the static buffers, results into e.out and from there
-        into the ring's next slot (`run` reads them there): what the driver does for an eager
-        step (`driver._apply_events`, the watch, `driver._one_step`)."""
+        """The step's device work over the static buffers, results into e.out: what the driver
+        does for an eager step (`driver._apply_events`, the watch, `driver._one_step`)."""
         from gpu_backend import poolk, refattn
         from gpu_backend.pool import content_kv_q
 
@@ -349,9 +339,6 @@ class StepGraphs:
         if self.checks:
             poolk.graph_post(pool.words, v["params"], v["wpages"], wt.sums, wt.pre,
                              e.out[8 * n:].view(torch.int8))
-        assert e.ring is not None and e.at is not None
-        e.ring.index_copy_(0, e.at, e.out.view(1, -1))
-        e.at.add_(1).remainder_(OUTS)
 
     def _plan(self, e: _Entry, p: Any) -> bool:
         """FlashInfer's C++ planner for this step (its Python checks passed at capture: same

@@ -108,11 +108,3 @@ def test_steps_a_graph_does_not_cover_run_eagerly(tmp_path: Path, name: str) -> 
         assert np.all(b.q_len == b.q_len[0]) and b.q_len[0] > 1 and not b.is_ctx.any()
     if name != "overlong_fa2":
         assert all(p.graph is None for p in _prepared(trace, True))
-
-
-def test_a_graphs_results_outlive_the_read_back_that_queues_them() -> None:
-    """A graph run's results stay in their ring slot for OUTS runs of its graph; the loop queues
-    a step's read-back within EARLY steps (`driver._loop`), so no slot is rewritten first."""
-    from gpu_backend import driver
-
-    assert graphs.OUTS > driver.EARLY

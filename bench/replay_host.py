@@ -16,8 +16,10 @@ the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per ge
   into a shared-memory slot), per step;
 - receive: the loop's side (`workers._receive`: the slot's metadata unpickled, its words copied,
   each step's `Prepared` made), per step. The chunk's upload is the device's part and is left
-  out (`Chunk.load` keeps the host words only): on the H200 it is an async copy and three
-  launches a chunk;
+  out (`Chunk.load` keeps the host words only): on the H200 it is an async copy and a launch
+  or two a chunk. Here the words go into fresh (not pinned) memory, whose page faults a CUDA
+  host's cached pinned buffers do not have;
+- unpickle: of receive, the metadata's unpickling alone (the same bytes again, just after);
 - bytes: words and metadata a step crosses from a worker to the loop.
 
 Each figure is the median over --reps passes (after one warm-up pass) of the pass's mean per
@@ -94,7 +96,7 @@ def _ship_pass(trace: TraceData) -> dict[str, float]:
     ring = workers._Ring(ctx)
     wlink, llink = workers._Link(send, ring), workers._Link(recv, ring)
     prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, staging.Chunk("cpu"))
-    ship = receive = 0.0
+    ship = receive = loads = 0.0
     words = meta = 0
     per = prepare.CHUNK_STEPS
     try:
@@ -114,13 +116,18 @@ def _ship_pass(trace: TraceData) -> dict[str, float]:
             assert len(got) == len(prepared)
             ship, receive = ship + t1 - t0, receive + t2 - t1
             words += w.nbytes
-            meta += len(pickle.dumps((metas, len(w), True), pickle.HIGHEST_PROTOCOL))
+            blob = pickle.dumps((metas, len(w), True), pickle.HIGHEST_PROTOCOL)
+            meta += len(blob)
+            t0 = time.perf_counter()
+            pickle.loads(blob)
+            loads += time.perf_counter() - t0
     finally:
         recv.close()
         send.close()
         ring.mem.close()
     n = len(steps) - 1
     return {"ship_us": ship / n * 1e6, "receive_us": receive / n * 1e6,
+            "unpickle_us": loads / n * 1e6,
             "words_bytes": words / n, "meta_bytes": meta / n}
 
 
@@ -153,10 +160,13 @@ def main() -> None:
     ap.add_argument("--before", type=Path,
                     help="this bench's JSON for the code before a change (same machine, just "
                     "before): kept under 'before', with after/before ratios")
+    ap.add_argument("--note", default="", help="context to keep in the JSON")
     a = ap.parse_args()
     from replay_traces import big_verify
 
     out: dict[str, Any] = environment() | {"steps": a.steps, "reps": a.reps, "sizes": []}
+    if a.note:
+        out["note"] = a.note
     for size in a.sweep.split(","):
         try:
             batch, kv = (int(x) for x in size.lower().split("x"))

@@ -199,9 +199,10 @@ class StepGraphs:
             self.fallbacks += 1
             return None
         assert e.out is not None
-        # the step's own copy: the next replay rewrites e.out (a pinned host copy a step
-        # instead, which the read-back need not gather, measured no better on the H200's
-        # hosts: 52-58 µs a step with the views against 28-40; docs/gpu.md round 14)
+        # the step's own copy: the next replay rewrites e.out. Measured no better on the H200:
+        # a pinned host copy a step, which the read-back need not gather (52-58 µs a step with
+        # the views against 28-40, round 14); the graph copying its results into a ring slot
+        # itself (three more kernels a step: 0.01-0.02 ms slower a step, round 15)
         out = e.out.clone()
         n = p.b.num_tokens  # the layout of `_out`
         tok = out[: 8 * n].view(torch.float32).view(2, n)

@@ -55,7 +55,8 @@ _REST = [f.name for f in fields(Prepared)][4:]
 
 
 MIN_STEPS = 64  # shorter traces prepare on the loop's thread by default (`default_workers`)
-MAX_KV = 1 << 18  # ... and so do traces whose steps read more K/V tokens than this (median)
+MAX_KV = 3 << 18  # ... and so do traces whose steps read more K/V tokens than this (median):
+# 64 x 8k (~532k) takes workers, 128 x 8k (~1.06M) does not
 
 
 def default_workers(device: torch.device | str, steps: int, kv_tokens: int = 0) -> int:
@@ -66,8 +67,10 @@ def default_workers(device: torch.device | str, steps: int, kv_tokens: int = 0) 
     (the workers' start and their walk over the prompt step's events cost more than they save:
     12-step traces were 1.2-1.8x slower end to end with them on the H200) and for steps over
     MAX_KV tokens, where the device's step is long enough to hide the loop's own preparation
-    and receiving the workers' chunks costs more (128 x kv 8k: 2.6x against 2.2x; 64 x 8k
-    mixed; 64 x 2k: 3.9-7.0x against 8.0-11.0x; docs/gpu.md round 13)."""
+    and receiving the workers' chunks costs more: at 128 x kv 8k 2.19-2.56x against 2.13-2.16
+    (16 passes of rounds 14-15 on the H200). At 64 x 8k workers gave 2.27-2.71x (median 2.32)
+    against 2.17-3.76 (median 2.51, two passes of 16 at 3x or more), and at 64 x 2k 2.6-5.0x
+    against 4.6-9.2 (docs/gpu.md rounds 13-15)."""
     cores = os.cpu_count() or 1
     if torch.device(device).type != "cuda" or steps < MIN_STEPS or kv_tokens > MAX_KV \
             or cores < 6:

@@ -183,6 +183,8 @@ def _chunk(i: int, per: int) -> int:
     while c < per and j >= c:
         j, c = j - c, c + 1
     return c + j // per if c == per else c
+
+
 def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
               steps: list[StepRecord], links: list[_Link], flight: InFlight
               ) -> Iterator[Prepared]:

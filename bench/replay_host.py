@@ -146,14 +146,33 @@ def measure(trace: TraceData, reps: int) -> dict[str, float]:
     return out | _median(lambda: _ship_pass(trace), reps)
 
 
+def _read_before(ap: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
+    """--before's JSON, or a usage error naming the file and what is wrong with it."""
+    try:
+        before = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        ap.error(f"--before {path}: {e}")
+    if not isinstance(before, dict) or not isinstance(before.get("sizes"), list):
+        ap.error(f"--before {path}: not a JSON written by this bench (no 'sizes' list)")
+    return before
+
+
+def _positive(text: str) -> int:
+    n = int(text) if text.strip().lstrip("-").isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[2:]))
     ap.add_argument("--sweep", default="64x2048,64x8192,128x8192", metavar="BxKV,...",
                     help="batch x kv_len of the benchmark trace (default %(default)s)")
-    ap.add_argument("--steps", type=int, default=96, help="generation steps (default 96)")
-    ap.add_argument("--reps", type=int, default=5, help="timed passes per figure (default 5)")
+    ap.add_argument("--steps", type=_positive, default=96, help="generation steps (default 96)")
+    ap.add_argument("--reps", type=_positive, default=5,
+                    help="timed passes per figure (default 5)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvsim-replay-host"),
                     help="where the benchmark traces are written")
     ap.add_argument("--json", type=Path, help="write the result here")
@@ -162,6 +181,7 @@ def main() -> None:
                     "before): kept under 'before', with after/before ratios")
     ap.add_argument("--note", default="", help="context to keep in the JSON")
     a = ap.parse_args()
+    before = _read_before(ap, a.before) if a.before else None
     from replay_traces import big_verify
 
     out: dict[str, Any] = environment() | {"steps": a.steps, "reps": a.reps, "sizes": []}
@@ -172,14 +192,16 @@ def main() -> None:
             batch, kv = (int(x) for x in size.lower().split("x"))
         except ValueError:
             ap.error(f"--sweep: {size!r} is not BATCHxKV (e.g. 64x2048)")
+        if batch < 1 or kv < 16:
+            ap.error(f"--sweep: {size!r}: batch must be 1 or more, kv 16 (a page) or more")
         trace = load_trace(big_verify(a.work / f"big_{batch}x{kv}_{a.steps}", batch=batch, kv=kv,
                                       steps=a.steps))
         r = {"batch": batch, "kv": kv} | measure(trace, a.reps)
         print(f"batch {batch:4d} kv {kv:6d}: " + ", ".join(
             f"{k} {v:.1f}" for k, v in r.items() if k not in ("batch", "kv")), flush=True)
         out["sizes"].append(r)
-    if a.before:
-        out["before"] = before = json.loads(a.before.read_text())
+    if before is not None:
+        out["before"] = before
         out["after_over_before"] = [
             {"batch": x["batch"], "kv": x["kv"]} | {
                 k: round(x[k] / y[k], 3) for k in x if k not in ("batch", "kv") and y.get(k)}

@@ -1,0 +1,48 @@
+"""bench/replay_host.py (`make bench-replay-host`): a small sweep runs end to end and writes every
+figure, --before gives after/before ratios; bad input is a usage error (exit 2), no JSON left."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(ROOT / "bench" / "replay_host.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT)
+
+
+def test_a_small_sweep_writes_every_figure(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    common = ["--sweep", "8x256", "--steps", "10", "--reps", "1", "--work", str(tmp_path)]
+    p = _bench(*common, "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    (size,) = json.loads(out.read_text())["sizes"]
+    assert (size["batch"], size["kv"]) == (8, 256)
+    for k in ("prepare_us", "walk_us", "ship_us", "receive_us", "unpickle_us"):
+        assert 0 < size[k] < 1e6, k
+    assert size["words_bytes"] > 0 and size["meta_bytes"] > 0
+    again = tmp_path / "again.json"
+    p = _bench(*common, "--json", str(again), "--before", str(out))
+    assert p.returncode == 0, p.stderr
+    (ratio,) = json.loads(again.read_text())["after_over_before"]
+    assert ratio["words_bytes"] == 1.0  # the same trace, the same code
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["--sweep", "64by2048"], "is not BATCHxKV"),
+    (["--sweep", "0x2048"], "batch must be 1 or more"),
+    (["--steps", "0"], "--steps: '0' is not a whole number of 1 or more"),
+    (["--before", "/no/such.json"], "--before /no/such.json"),
+])
+def test_bad_input_is_a_usage_error(tmp_path: Path, args: list[str], says: str) -> None:
+    out = tmp_path / "r.json"
+    p = _bench(*args, "--json", str(out))
+    assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr
+    assert not out.exists()

@@ -105,7 +105,8 @@ def _pack(b: StepBatch) -> tuple[bytearray, list[object], list[tuple[int, str, i
     values: list[object] = []
     specs: list[tuple[int, str, int, int]] = []
     shapes: dict[int, tuple[int, ...]] = {}
-    for i, v in enumerate(vars(b).values()):
+    for i, name in enumerate(_FIELDS):  # by field, as `_unpack` puts them back
+        v = getattr(b, name)
         values.append(None if isinstance(v, np.ndarray) else v)
         if isinstance(v, np.ndarray):
             data = np.ascontiguousarray(v).tobytes()

@@ -3,10 +3,11 @@
 A copy from pageable host memory makes CUDA synchronize the stream first, and every small upload
 costs a launch. Here the host packs the arrays of a whole chunk of steps (`gpu_backend.prepare`
 builds them ahead) into one pinned int64 buffer and copies it with `non_blocking=True`; the
-device then holds it as int64 (indexing), int32 (kernel arguments, converted there) and bool
-(masks), so no step converts anything on the host but the few small int32 arrays the FlashInfer
-planners read on the host (`name@host`, made on first use). The chunk's buffers are never
-written again, so nothing waits for a copy to finish before reusing them.
+device then holds it as int64 (indexing), int32 (kernel arguments) and bool (masks), the last
+two converted there when a view first needs them, so no step converts anything on the host but
+the few small int32 arrays the FlashInfer planners read on the host (`name@host`, made on
+first use). The chunk's buffers are never written again, so nothing waits for a copy to finish
+before reusing them.
 """
 
 from __future__ import annotations

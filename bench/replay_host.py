@@ -48,7 +48,7 @@ from environment import ROOT, environment
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from gpu_backend import prepare, staging, workers  # noqa: E402
+from gpu_backend import fa2plan, prepare, staging, workers  # noqa: E402
 from gpu_backend.events import in_flight_poison  # noqa: E402
 from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
 
@@ -61,7 +61,8 @@ def _host_load(self: staging.Chunk, h64: Any) -> None:
 def _state(trace: TraceData) -> prepare.HostState:
     slots, _, last = prepare.truth_shape(trace)
     return prepare.HostState(trace, 16, trace.model.max_position, last=last,
-                             free=list(range(slots))[::-1], graphs=True)
+                             free=list(range(slots))[::-1],
+                             graphs=fa2plan.Planner.for_model(trace.model, fa2plan.H200))
 
 
 def _prepare_pass(trace: TraceData) -> float:

@@ -130,7 +130,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     make = getattr(kernels, "step_graphs", None)
     graphs = make(pool, truth, m.num_q_heads, watch) if callable(make) and not skip else None
     state = HostState(trace, GUARD_PAGES, m.max_position, last=last,
-                      free=list(range(slots))[::-1], graphs=graphs is not None)
+                      free=list(range(slots))[::-1],
+                      graphs=graphs.planner if graphs is not None else None)
     res = ReplayResult(kernels.name, str(trace.path), tol)
     res.watch = watch.name
     with closing(prepared_steps(trace, state, device, workers)) as steps:  # stops the workers

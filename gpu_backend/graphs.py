@@ -4,8 +4,7 @@ attention, reference, token errors.
 Why: at batch 64 x kv 2k the step's kernels take ~0.15 ms of device time, and the host took
 0.6-1.4 ms to queue them eagerly (docs/gpu.md rounds 3-9: ~13 launches, FlashInfer's Python
 plan() and run(), and the Python between them): the replay was host-bound at 4-8x the kernels'
-time. Here such a step costs the host two copies, FlashInfer's C++ planner, one graph launch and
-one copy of its results.
+time. Here such a step costs the host one copy, one graph launch and one copy of its results.
 
 Which steps: the steady state of a speculative-decoding trace, one FA2 launch over every row
 with one query width W (verify rows), content and truth at the same positions, the reference one
@@ -26,33 +25,33 @@ eager around the graph.
 
 What is the same as the eager step: every kernel (the content and reference Triton kernels,
 FlashInfer's append and FA2 paged prefill), its inputs and its order; the FA2 kernel is planned
-per step by FlashInfer's own planner in its CUDA-graph mode (scheduler.cuh `PrefillPlan`: a
-fixed grid, always split over the kv, `uniform_q_len` tiles), the way SGLang and vLLM replay it.
+per step in FlashInfer's CUDA-graph mode (scheduler.cuh `PrefillPlan`: a fixed grid, always
+split over the kv, `uniform_q_len` tiles), the way SGLang and vLLM replay it. The plan is made
+by the preparation (`gpu_backend.fa2plan`, FlashInfer's planner ported), staged in the block,
+and copied into the wrapper's int workspace by the graph: the loop calls no planner a step.
+A key's first step plans through FlashInfer's own plan() and checks the port against it (plan
+info and bytes); a key whose plan differs runs eagerly (`stats()['plan_mismatches']`).
 The reference gets the truth store's span as its key bound instead of the step's longest row:
 it stops at each row's own last limit either way (`refattn._attend_kernel`), so the bits match.
 What differs: FA2's split-kv merge order (rounding within the tolerance), and FlashInfer's
 Python checks in plan()/run(), which run once per shape at capture instead of every step.
 
-A step whose plan comes back different from its graph's (offsets in FlashInfer's workspace) or
-that FlashInfer's checks refuse runs eagerly (`stats()['eager_fallbacks']`).
+A step that FlashInfer's checks refuse at capture, or whose page counts the planner would
+refuse, runs eagerly (`stats()['eager_fallbacks']`, or no key).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from gpu_backend import fa2plan
 from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.staging import ALIGN, StepArrays
 
-# pinned plan buffers a graph cycles through: the host re-plans into the one whose copy the
-# device made RING steps ago, so it waits only when the device is RING steps behind (one buffer,
-# as FlashInfer's wrapper has, made it wait ~100 µs a step at batch 64 x kv 2k on the H200)
-RING = 4
 # the block's fields in order: (field, the step's array staged for it, how the kernels read it:
 # "f" float64, "i" int64, "w" int32); "g0_" is the reference's one group (`prepare.RefGroup`)
 _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
@@ -62,22 +61,24 @@ _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("slots", "g0_slots", "i"), ("limit", "g0_limit", "i"),
            ("params", "gr_params", "i"), ("touched", "gr_touched", "i"),
            ("wpages", "gr_wpages", "i"), ("prows", "gr_prows", "i"),
-           ("kv_indices", "kv_indices", "w"))
+           ("plan", "gr_plan", "i"), ("kv_indices", "kv_indices", "w"))
 # gr_params: the counts and step numbers the graph's page checks read on the device
 # (poolk's PARAMS: touched pages, target pages, targets to check, step, previous step, rows)
 _PARAMS = 8
 
-# (rows, query width W, capacities: kv_indices, touched pages, target pages, poisoned rows)
-Key = tuple[int, int, int, int, int, int]
+# gr_plan: FA2's plan, the int workspace's bytes as int64 words (`fa2plan.image`)
+# (rows, query width W, capacities: kv_indices, touched pages, target pages, poisoned rows,
+# the plan's words)
+Key = tuple[int, int, int, int, int, int, int]
 
 
 def offsets(key: Key) -> dict[str, tuple[int, int]]:
     """Field -> (offset, length) in words of a block of graph `key`: the fields one after the
     other, each aligned as `staging.Chunk.add` aligns an array."""
-    R, W, cap_p, cap_t, cap_w, cap_r = key
+    R, W, cap_p, cap_t, cap_w, cap_r, plan = key
     sizes = {"qo": R + 1, "kv_indptr": R + 1, "last_page_len": R, "slots": R, "limit": R * W,
              "params": _PARAMS, "touched": cap_t, "wpages": cap_w, "prows": cap_r,
-             "kv_indices": cap_p}
+             "plan": plan, "kv_indices": cap_p}
     out, at = {}, 0
     for name, _, _ in _FIELDS:
         n = sizes.get(name, R * W)
@@ -93,12 +94,13 @@ def _cap(n: int, floor: int) -> int:
 
 def block(caps: dict[tuple[int, int], Key], b: StepBatch, arrays: dict[str, np.ndarray],
           ops: list[Any], wpages: np.ndarray, wcheck: int, prev: int, ok: bool,
-          groups: list[Any]) -> Key | None:
+          groups: list[Any], planner: fa2plan.Planner) -> Key | None:
     """If step b can replay as a graph, add its padded arrays, order its arrays so that the
     graph's fields are staged first, one after the other (the block `span` names), and return
     its graph key; else None. `caps`: the replay's capacities so far by (rows, W), grown here.
     `ok`: no prefix fill, no RoPE overrun, truth positions == engine's, queries == appends;
-    `groups`: the reference's (`prepare.RefGroup`); `prev`: the step prepared before b."""
+    `groups`: the reference's (`prepare.RefGroup`); `prev`: the step prepared before b;
+    `planner`: the replay's device and attention shape, for FA2's plan (`fa2plan`)."""
     R = b.num_rows
     runs = launch_runs(b)
     if (b.backend != "fa2" or not ok or len(groups) != 1 or not groups[0].identity
@@ -107,15 +109,20 @@ def block(caps: dict[tuple[int, int], Key], b: StepBatch, arrays: dict[str, np.n
             or any(kind != "nan" for kind, *_ in ops)):
         return None
     W = int(b.q_len[0])
+    lay = fa2plan.layout(planner, R, W)
+    plan = fa2plan.image(lay, b.kv_indptr) if (b.q_len == W).all() else None
+    if plan is None:
+        return None  # rows of other widths, or page counts FlashInfer's planner refuses
     touched = arrays.get("touched", np.zeros(0, dtype=np.int64))  # distinct, as the eager path's
     prows = np.concatenate([arrays[f"ev{a}"] for _, a, *_ in ops]) if ops else \
         np.zeros(0, dtype=np.int64)
-    have = caps.get((R, W), (R, W, 0, 0, 0, 0))
+    have = caps.get((R, W), (R, W, 0, 0, 0, 0, 0))
     # floors: a few growths at most over a replay (each one captures a graph)
     key = caps[(R, W)] = (R, W, max(have[2], _cap(len(b.kv_indices), 1)),
                           max(have[3], _cap(len(touched), 4 * R)),
                           max(have[4], _cap(len(wpages), 4 * R)),
-                          max(have[5], _cap(len(prows), 16 * R)))
+                          max(have[5], _cap(len(prows), 16 * R)), lay.words)
+    arrays["gr_plan"] = plan
     arrays["gr_params"] = np.array([len(touched), len(wpages), wcheck, b.step, prev, len(prows),
                                     0, 0], dtype=np.int64)
     for name, a, cap in (("gr_touched", touched, key[3]), ("gr_wpages", wpages, key[4]),
@@ -144,15 +151,9 @@ class _Entry:
     g32: torch.Tensor
     views: dict[str, torch.Tensor]
     wrapper: Any
+    plan: fa2plan.Layout
     graph: torch.cuda.CUDAGraph | None = None
     out: torch.Tensor | None = None
-    plan_info: Any = None
-    plan_args: list[Any] | None = None
-    # the planner's pinned buffers, one per step in turn (slot 0: the wrapper's own), and the
-    # event after each one's last plan: its async copy to the device is done once that fires
-    pins: list[torch.Tensor] = field(default_factory=list)
-    fences: list[torch.cuda.Event] = field(default_factory=list)
-    plans: int = 0
 
 
 class StepGraphs:
@@ -163,7 +164,11 @@ class StepGraphs:
 
         self.k, self.pool, self.truth, self.hq, self.watch = kernels, pool, truth, hq, watch
         self.checks = isinstance(watch, IncrementalWatch)  # events and checks in the graph
+        m = pool.data
+        self.planner = fa2plan.Planner(fa2plan.Device.of(m.device), hq, int(m.shape[3]),
+                                       int(m.shape[4]), pool.page_size, m.element_size())
         self.entries: dict[Key, _Entry] = {}
+        self.mismatched: set[Key] = set()  # keys whose first plan differed from FlashInfer's
         self.pool_handle = torch.cuda.graph_pool_handle()
         # the replay's stream, once: Event.record() without one builds it every call (~10 µs
         # of a step's host on the H200)
@@ -172,13 +177,17 @@ class StepGraphs:
 
     def stats(self) -> dict[str, int]:
         return {"graphs": len(self.entries), "graph_replays": self.replays,
-                "graph_captures": self.captures, "eager_fallbacks": self.fallbacks}
+                "graph_captures": self.captures, "eager_fallbacks": self.fallbacks,
+                "plan_mismatches": len(self.mismatched)}
 
     def run(self, p: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """Run step p: (its per-token errors [2, nnz_q] fp32 as `oracle.token_errors`, its
         targets' moved flags [len(p.wpages)] bool with the incremental watch, else None), or
         None: run it eagerly, events and all (its plan does not fit its graph)."""
         key: Key = p.graph
+        if key in self.mismatched:
+            self.fallbacks += 1
+            return None
         e = self.entries.get(key)
         if e is None:
             e = self.entries[key] = self._entry(key)
@@ -191,13 +200,9 @@ class StepGraphs:
                 self.fallbacks += 1
                 return None
             self.captures += 1
-        elif self._plan(e, p):
-            assert e.graph is not None
-            e.graph.replay()
-            self.replays += 1
         else:
-            self.fallbacks += 1
-            return None
+            e.graph.replay()  # its plan is in the block: the graph copies it (`_body`)
+            self.replays += 1
         assert e.out is not None
         # the step's own copy: the next replay rewrites e.out. Measured no better on the H200:
         # a pinned host copy a step, which the read-back need not gather (52-58 µs a step with
@@ -224,7 +229,7 @@ class StepGraphs:
             self.k.ws[1], "NHD", use_cuda_graph=True, qo_indptr_buf=v["qo"],
             paged_kv_indptr_buf=v["kv_indptr"], paged_kv_indices_buf=v["kv_indices"],
             paged_kv_last_page_len_buf=v["last_page_len"], backend="fa2")
-        return _Entry(g64, g32, v, w)
+        return _Entry(g64, g32, v, w, fa2plan.layout(self.planner, key[0], key[1]))
 
     def ahead(self, p: Any) -> None:
         """Capture the graph of step p's key now, if it has none, without running anything: the
@@ -257,9 +262,10 @@ class StepGraphs:
         return True
 
     def _plan_first(self, e: _Entry, p: Any, key: Key) -> bool:
-        """Plan step p through FlashInfer's Python plan() (its checks, once per key) and keep
-        what `_plan` needs to re-plan later steps: the C++ planner's arguments, the plan info
-        to compare with, the ring of pinned buffers. False if plan() refused the step."""
+        """Plan step p through FlashInfer's Python plan() (its checks, once per key) and check
+        `fa2plan`'s port against it: the plan info, and the bytes FlashInfer's planner left in
+        its pinned buffer for the device. False if plan() refused the step or the port differs
+        (the key is then kept out: its steps run eagerly)."""
         b, dv, m = p.b, p.dv, self.pool.data
         hkv, d = int(m.shape[3]), int(m.shape[4])
         w = e.wrapper
@@ -270,18 +276,11 @@ class StepGraphs:
                    uniform_q_len=key[1])
         except (ValueError, RuntimeError):
             return False
-        e.pins = [w._pin_memory_int_workspace_buffer] + [
-            torch.empty_like(w._pin_memory_int_workspace_buffer, pin_memory=True)
-            for _ in range(RING - 1)]
-        e.fences = [torch.cuda.Event() for _ in range(RING)]
-        e.fences[0].record()
-        e.plans = 1
-        e.plan_info = w._plan_info
-        # FlashInfer 0.7.2's FA2 planner arguments as its plan() builds them (prefill.py); the
-        # pinned buffer and the three host arrays are each step's own (`_plan`)
-        e.plan_args = [w._float_workspace_buffer, w._int_workspace_buffer, None, None, None,
-                       None, w._max_total_num_rows, key[0], self.hq, hkv, b.page_size, True, d,
-                       d, True, -1, -1, False, 0, key[1]]
+        # the planner wrote its pinned buffer before returning (the device's copy of it is async)
+        theirs = w._pin_memory_int_workspace_buffer.numpy()[: e.plan.nbytes]
+        if not fa2plan.agrees(e.plan, list(w._plan_info), theirs, b.kv_indptr):
+            self.mismatched.add(key)
+            return False
         e.out = self._out(key, b.num_tokens)
         return True
 
@@ -320,6 +319,9 @@ class StepGraphs:
         # the int32 fields from the step's int64 words, on the device: one host copy a step
         # instead of two (~13 µs of host on the H200); the float64 fields' bits wrap, unread
         e.g32.copy_(e.g64)
+        # the step's FA2 plan where FlashInfer's planner would have copied it
+        plan = v["plan"].view(torch.uint8)[: e.plan.nbytes]
+        e.wrapper._int_workspace_buffer[: e.plan.nbytes].copy_(plan)
         if self.checks:
             poolk.graph_events(pool.words, pool.rows, v["params"], v["touched"], v["prows"],
                                wt.sums, wt.stamp, wt.flag)
@@ -341,24 +343,3 @@ class StepGraphs:
             poolk.graph_post(pool.words, v["params"], v["wpages"], wt.sums, wt.pre,
                              e.out[8 * n:].view(torch.int8))
 
-    def _plan(self, e: _Entry, p: Any) -> bool:
-        """FlashInfer's C++ planner for this step (its Python checks passed at capture: same
-        shapes), into the next pinned buffer of the ring; True if its plan fits the graph."""
-        assert e.plan_args is not None
-        args = list(e.plan_args)
-        dv = p.dv
-        slot = e.plans % RING
-        e.plans += 1
-        args[2:6] = e.pins[slot], dv["run0_qo@host"], dv["kv_indptr@host"], dv["seq_lens@host"]
-        ev = e.fences[slot]
-        t0 = time.perf_counter()
-        ev.synchronize()  # the device has copied this buffer's last plan out
-        self.k.wait_s += time.perf_counter() - t0
-        try:
-            info = e.wrapper._cached_module.plan(*args)
-        except RuntimeError:
-            return False  # FlashInfer refuses the metadata: the eager step reports it
-        finally:
-            ev.record(self.stream)
-        # one C++ comparison of two tvm-ffi arrays (a list of their ints in Python: ~80 µs)
-        return bool(info == e.plan_info)

@@ -22,6 +22,7 @@ import torch
 
 from gpu_backend import graphs
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
+from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
 from gpu_backend.layout import StepBatch, build_step, member, run_arrays
 from gpu_backend.pool import mod_m
@@ -95,7 +96,9 @@ class HostState:
     step_seconds: dict[int, float] = field(default_factory=dict)  # step -> its `prepare_step` time
     # the last prepared step's rewind (pool rows, pages): applied before the next step's events
     rewind: tuple[np.ndarray, np.ndarray] | None = None
-    graphs: bool = False  # lay out the steady steps' inputs for `graphs.StepGraphs`
+    # lay out the steady steps' inputs for `graphs.StepGraphs`, FA2 planned for this device and
+    # shape (None: no graphs)
+    graphs: Planner | None = None
     graph_caps: dict[tuple[int, int], GraphKey] = field(default_factory=dict)
     prev_step: int = -1  # the step prepared last
     start_seconds: float = 0.0  # of `seconds`: starting the preparation workers, if any
@@ -180,8 +183,8 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     groups = _ref_groups(b, slots, arrays)
     q_identity = b.num_tokens == len(b.app_tokens)
     graph = graphs.block(st.graph_caps, b, arrays, ops, wpages, wcheck, st.prev_step,
-                         not fill and not eng_nan and same and q_identity, groups) \
-        if st.graphs else None
+                         not fill and not eng_nan and same and q_identity, groups, st.graphs) \
+        if st.graphs is not None else None
     st.prev_step = b.step
     _rewind(st, b)
     _release(st, b.step, b.requests.tolist())

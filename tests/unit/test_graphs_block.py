@@ -11,14 +11,16 @@ from replay_traces import SCENARIOS, big_verify
 
 from gpu_backend import graphs
 from gpu_backend.driver import GUARD_PAGES
+from gpu_backend.fa2plan import H200, Planner, image, layout
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.tracedata import TraceData, load_trace
 
 
 def _prepared(trace: TraceData, use_graphs: bool) -> list[Prepared]:
     slots, _, last = truth_shape(trace)
+    plan = Planner.for_model(trace.model, H200) if use_graphs else None
     st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
-                   free=list(range(slots))[::-1], graphs=use_graphs)
+                   free=list(range(slots))[::-1], graphs=plan)
     return list(prepared_steps(trace, st, "cpu"))
 
 
@@ -33,8 +35,9 @@ def test_the_generation_steps_get_a_graph_key_and_the_prompt_step_none(
     assert ps[0].graph is None  # ctx rows: a prefill of 8 different lengths
     keys = {p.graph for p in ps[1:]}
     assert len(keys) == 1  # capacities with room: one graph for the whole replay
-    R, W, cap_p, cap_t, cap_w, cap_r = keys.pop()  # type: ignore[misc]
+    R, W, cap_p, cap_t, cap_w, cap_r, plan = keys.pop()  # type: ignore[misc]
     assert (R, W) == (8, 4)
+    assert plan == layout(Planner.for_model(verify_trace.model, H200), R, W).words
     for p in ps[1:]:
         rows = sum(len(p.dv[f"ev{a}"]) for _, a, *_ in p.ops)
         assert len(p.b.kv_indices) <= cap_p and len(p.wpages) <= cap_w and rows <= cap_r
@@ -44,10 +47,12 @@ def test_the_generation_steps_get_a_graph_key_and_the_prompt_step_none(
 def test_capacities_only_grow(verify_trace: TraceData) -> None:
     """A replay keeps the largest capacities it has seen for a shape: no new graph when a step
     needs less than an earlier one."""
-    big = (8, 4, 1 << 15, 1024, 1024, 4096)
+    words = layout(Planner.for_model(verify_trace.model, H200), 8, 4).words
+    big = (8, 4, 1 << 15, 1024, 1024, 4096, words)
     slots, _, last = truth_shape(verify_trace)
     st = HostState(verify_trace, GUARD_PAGES, verify_trace.model.max_position, last=last,
-                   free=list(range(slots))[::-1], graphs=True, graph_caps={(8, 4): big})
+                   free=list(range(slots))[::-1],
+                   graphs=Planner.for_model(verify_trace.model, H200), graph_caps={(8, 4): big})
     assert {p.graph for p in prepared_steps(verify_trace, st, "cpu")} == {None, big}
     assert graphs._cap(5, 4) == 8 and graphs._cap(3, 4) == 4 and graphs._cap(0, 0) == 1
 
@@ -71,6 +76,8 @@ def test_the_block_holds_each_field_at_its_offset(verify_trace: TraceData) -> No
                 "slots": dv["g0_slots"].numpy(), "limit": dv["g0_limit"].numpy().ravel(),
                 "params": [len(touched), len(p.wpages), p.wcheck, b.step, prev, len(prows), 0, 0],
                 "touched": touched, "wpages": p.wpages, "prows": prows,
+                "plan": image(layout(Planner.for_model(verify_trace.model, H200), 8, 4),
+                              b.kv_indptr),
                 "kv_indices": b.kv_indices}
         assert set(want) == set(at)
         for name, (o, n) in at.items():

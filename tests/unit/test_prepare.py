@@ -13,6 +13,7 @@ from replay_traces import SCENARIOS, big_verify
 
 from gpu_backend import prepare, tracedata
 from gpu_backend.driver import GUARD_PAGES, replay
+from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import build_step, columns
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.reference import ReferenceKernels
@@ -28,7 +29,7 @@ def trace(tmp_path_factory: pytest.TempPathFactory) -> TraceData:
 def _state(trace: TraceData) -> HostState:
     slots, _, last = truth_shape(trace)
     return HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
-                     free=list(range(slots))[::-1], graphs=True)
+                     free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
 
 
 def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,

@@ -20,6 +20,7 @@ from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify
 
 from gpu_backend import prepare, workers
 from gpu_backend.driver import GUARD_PAGES, replay
+from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import PREP_ONLY
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.reference import ReferenceKernels
@@ -31,7 +32,7 @@ from sim.errors import KvsimError, TraceError
 def _state(trace: TraceData) -> HostState:
     slots, _, last = truth_shape(trace)
     return HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
-                     free=list(range(slots))[::-1], graphs=True)
+                     free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
 
 
 def _steps(trace: TraceData, n: int) -> list[Prepared]:

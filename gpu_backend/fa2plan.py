@@ -6,8 +6,9 @@ H200 (round 16's probe: its arguments' views 32, the planner 29, the fence on it
 11-14, the record 5, the plan-info comparison 6), a quarter of the loop. The plan is a pure
 function of the step's page counts and constants the replay knows before it starts, so the
 preparation (a worker process, or the loop's pipeline) computes the bytes the planner would
-copy into the wrapper's int workspace and stages them with the step's other inputs; the graph
-copies them into the workspace itself (`graphs.StepGraphs._body`).
+copy into the wrapper's int workspace and stages them with the step's other inputs, an int32
+word of the image a staged word; the wrapper's int workspace is that field of the graph's int32
+block, which the graph's one int64 -> int32 conversion a step writes (`graphs.StepGraphs`).
 
 What is ported, from flashinfer/data/include/flashinfer/ (0.7.2.post1):
 - attention/scheduler.cuh `PrefillSplitQOKVIndptr` with enable_cuda_graph, uniform_q_len > 0,
@@ -110,8 +111,8 @@ class Layout:
 
     @property
     def words(self) -> int:
-        """int64 words that hold the image."""
-        return -(-self.nbytes // 8)
+        """int32 words that hold the image."""
+        return -(-self.nbytes // 4)
 
     def used(self, img: np.ndarray) -> np.ndarray:
         """bool per byte of plan `img`: the bytes the C++ planner sets for that plan (the
@@ -164,16 +165,16 @@ def layout(p: Planner, rows: int, width: int) -> Layout:
 
 def image(lay: Layout, kv_indptr: np.ndarray) -> np.ndarray | None:
     """The int workspace bytes the C++ planner copies to the device for a step of these page
-    counts (`kv_indptr`: the step's int32 page offsets, len rows + 1), as int64 words; None if
+    counts (`kv_indptr`: the step's int32 page offsets, len rows + 1), as int32 words; None if
     the planner would refuse them (a check that fails in scheduler.cuh)."""
     a = lay.at
-    out = np.zeros(lay.words * 2, dtype=np.int32)
+    out = np.zeros(lay.words, dtype=np.int32)
     ok = _fill(kv_indptr, lay.rows, lay.width, lay.tiles_q, lay.max_batch, lay.padded,
                lay.min_chunk, lay.max_partial_rows, lay.page_size, a["request_indices"] // 4,
                a["qo_tile_indices"] // 4, a["kv_tile_indices"] // 4, a["o_indptr"] // 4,
                a["kv_chunk_size"] // 4, a["total_num_rows"] // 4, a["merge_indptr"] // 4,
                a["block_valid_mask"], out)
-    return out.view(np.int64) if ok else None
+    return out if ok else None
 
 
 @nb.njit(cache=True)

@@ -27,8 +27,9 @@ What is the same as the eager step: every kernel (the content and reference Trit
 FlashInfer's append and FA2 paged prefill), its inputs and its order; the FA2 kernel is planned
 per step in FlashInfer's CUDA-graph mode (scheduler.cuh `PrefillPlan`: a fixed grid, always
 split over the kv, `uniform_q_len` tiles), the way SGLang and vLLM replay it. The plan is made
-by the preparation (`gpu_backend.fa2plan`, FlashInfer's planner ported), staged in the block,
-and copied into the wrapper's int workspace by the graph: the loop calls no planner a step.
+by the preparation (`gpu_backend.fa2plan`, FlashInfer's planner ported) and staged in the block;
+the wrapper's int workspace is that field of the int32 twin, so the graph's conversion of the
+block writes the plan where the kernels read it: the loop calls no planner a step.
 A key's first step plans through FlashInfer's own plan() and checks the port against it (plan
 info and bytes); a key whose plan differs runs eagerly (`stats()['plan_mismatches']`).
 The reference gets the truth store's span as its key bound instead of the step's longest row:
@@ -61,12 +62,13 @@ _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("slots", "g0_slots", "i"), ("limit", "g0_limit", "i"),
            ("params", "gr_params", "i"), ("touched", "gr_touched", "i"),
            ("wpages", "gr_wpages", "i"), ("prows", "gr_prows", "i"),
-           ("plan", "gr_plan", "i"), ("kv_indices", "kv_indices", "w"))
+           ("plan", "gr_plan", "w"), ("kv_indices", "kv_indices", "w"))
 # gr_params: the counts and step numbers the graph's page checks read on the device
 # (poolk's PARAMS: touched pages, target pages, targets to check, step, previous step, rows)
 _PARAMS = 8
 
-# gr_plan: FA2's plan, the int workspace's bytes as int64 words (`fa2plan.image`)
+# gr_plan: FA2's plan, the int workspace's bytes as int32 words (`fa2plan.image`), each staged as
+# an int64 word
 # (rows, query width W, capacities: kv_indices, touched pages, target pages, poisoned rows,
 # the plan's words)
 Key = tuple[int, int, int, int, int, int, int]
@@ -229,6 +231,9 @@ class StepGraphs:
             self.k.ws[1], "NHD", use_cuda_graph=True, qo_indptr_buf=v["qo"],
             paged_kv_indptr_buf=v["kv_indptr"], paged_kv_indices_buf=v["kv_indices"],
             paged_kv_last_page_len_buf=v["last_page_len"], backend="fa2")
+        # FA2's plan is read from the block (`fa2plan`): no copy of it in the graph, the
+        # block's conversion writes it
+        w.reset_workspace_buffer(self.k.ws[1], v["plan"].view(torch.uint8))
         return _Entry(g64, g32, v, w, fa2plan.layout(self.planner, key[0], key[1]))
 
     def ahead(self, p: Any) -> None:
@@ -317,11 +322,9 @@ class StepGraphs:
         assert e.out is not None
         n = R * W
         # the int32 fields from the step's int64 words, on the device: one host copy a step
-        # instead of two (~13 µs of host on the H200); the float64 fields' bits wrap, unread
+        # instead of two (~13 µs of host on the H200); the float64 fields' bits wrap, unread.
+        # The plan's field is the wrapper's int workspace (`_entry`): this writes the plan too
         e.g32.copy_(e.g64)
-        # the step's FA2 plan where FlashInfer's planner would have copied it
-        plan = v["plan"].view(torch.uint8)[: e.plan.nbytes]
-        e.wrapper._int_workspace_buffer[: e.plan.nbytes].copy_(plan)
         if self.checks:
             poolk.graph_events(pool.words, pool.rows, v["params"], v["touched"], v["prows"],
                                wt.sums, wt.stamp, wt.flag)

@@ -4,7 +4,7 @@ attention, reference, token errors.
 Why: at batch 64 x kv 2k the step's kernels take ~0.15 ms of device time, and the host took
 0.6-1.4 ms to queue them eagerly (docs/gpu.md rounds 3-9: ~13 launches, FlashInfer's Python
 plan() and run(), and the Python between them): the replay was host-bound at 4-8x the kernels'
-time. Here such a step costs the host one copy, one graph launch and one copy of its results.
+time. Here such a step costs the host a copy in, one graph launch and a copy out of its results.
 
 Which steps: the steady state of a speculative-decoding trace, one FA2 launch over every row
 with one query width W (verify rows), content and truth at the same positions, the reference one
@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_backend import fa2plan
+from gpu_backend import fa2plan, rawcopy
 from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.staging import ALIGN, StepArrays
 
@@ -193,8 +193,12 @@ class StepGraphs:
         e = self.entries.get(key)
         if e is None:
             e = self.entries[key] = self._entry(key)
-        blk = p.dv["gblk"]
-        e.g64[: int(blk.shape[0])].copy_(blk)  # the int32 twin is made in the graph (`_body`)
+        buf, off, words = p.dv.span("gblk")  # the step's block in its chunk's device copy
+        if words > e.g64.numel():
+            raise ValueError(f"step {p.b.step}: a block of {words} words for a graph of "
+                             f"{e.g64.numel()}")
+        # the int32 twin is made in the graph (`_body`); by address: `rawcopy`'s why
+        rawcopy.d2d(e.g64.data_ptr(), buf.data_ptr() + 8 * off, 8 * words, self.stream)
         self.k._hold_plan_cache(p.b.plan_cache_size)
         if e.graph is None:
             if not self._first(e, p, key):
@@ -210,10 +214,11 @@ class StepGraphs:
         # a pinned host copy a step, which the read-back need not gather (52-58 µs a step with
         # the views against 28-40, round 14); the graph copying its results into a ring slot
         # itself (three more kernels a step: 0.01-0.02 ms slower a step, round 15)
-        out = e.out.clone()
-        n = p.b.num_tokens  # the layout of `_out`
-        tok = out[: 8 * n].view(torch.float32).view(2, n)
-        moved = out[8 * n: 8 * n + len(p.wpages)].view(torch.bool) if self.checks else None
+        n, dev = p.b.num_tokens, e.out.device  # the layout of `_out`
+        tok = rawcopy.into(torch.empty((2, n), dtype=torch.float32, device=dev), e.out, 0,
+                           self.stream)
+        moved = rawcopy.into(torch.empty(len(p.wpages), dtype=torch.bool, device=dev), e.out,
+                             8 * n, self.stream) if self.checks else None
         return tok, moved
 
     def _entry(self, key: Key) -> _Entry:

@@ -142,6 +142,12 @@ class StepArrays(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self.slots)
 
+    def span(self, name: str) -> tuple[torch.Tensor, int, int]:
+        """(the chunk's int64 device copy, offset, length) of 1-D array `name`, in words: for
+        a copy by address (`rawcopy`) without making a view."""
+        (n,), _, off = self.slots[name]
+        return self.chunk.bufs["d64"], off, n
+
 
 class PackedSlots(Mapping[str, Slot]):
     """A step's slots as a worker ships them (`gpu_backend.workers`): the names, one bytes

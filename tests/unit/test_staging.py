@@ -44,3 +44,14 @@ def test_int32_and_bool_forms_only_when_viewed() -> None:
     assert dv["grid@32"].untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
     dv["mask@b"]
     assert "db" in chunk.bufs
+
+
+def test_span_is_where_a_view_reads() -> None:
+    """`StepArrays.span` (a copy by address, `rawcopy`): the words the array's view reads."""
+    chunk, arrays = _chunk()
+    dv = stage(chunk, arrays)
+    chunk.upload()
+    for k in ("idx", "mask", "empty"):
+        buf, off, n = dv.span(k)
+        assert np.array_equal(buf[off: off + n].numpy(), arrays[k])
+        assert buf.data_ptr() + 8 * off == dv[k].data_ptr() or n == 0

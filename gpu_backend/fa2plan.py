@@ -2,8 +2,8 @@
 
 Why: a graph step (`gpu_backend.graphs`) re-plans FA2 every step, and calling FlashInfer's C++
 planner from the replay loop cost ~90 µs of the loop's host a step at batch 64 x kv 2k on the
-H200 (round 16's probe: its arguments' views 32, the planner 29, the fence on its pinned buffer
-11-14, the record 5, the plan-info comparison 6), a quarter of the loop. The plan is a pure
+H200 (docs/gpu.md round 16: its arguments' views 32, the planner 29-31, the fence on its pinned
+buffer 11-14, the plan-info comparison 6, the record 5), a fifth of the loop. The plan is a pure
 function of the step's page counts and constants the replay knows before it starts, so the
 preparation (a worker process, or the loop's pipeline) computes the bytes the planner would
 copy into the wrapper's int workspace and stages them with the step's other inputs, an int32
@@ -21,9 +21,9 @@ IdType is int32 (the replay's indptrs). Entries past the plan's real work items 
 where the C++ planner leaves whatever its pinned buffer held: the kernel never reads them (the
 block-valid mask is false there). The first step of every graph checks this port against
 FlashInfer's own planner, bytes and plan info (`graphs.StepGraphs._plan_first`); a key whose
-plan differs runs eagerly. tests/gpu/test_fa2plan_gpu.py compares every step of a sweep and
-random page counts with the C++ planner; tests/unit/test_fa2plan.py holds the compiled pass
-to a line-by-line Python transliteration.
+plan differs runs eagerly. tests/gpu/test_fa2plan_gpu.py compares random page counts at
+several shapes with the C++ planner; tests/unit/test_fa2plan.py holds the compiled pass to a
+line-by-line Python transliteration.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Device-to-device copies by address, through the CUDA driver (`cuMemcpyDtoDAsync`).
 
-Why: a graph step (`gpu_backend.graphs`) copies its block in and its results out, and each of
-those through torch cost the loop ~10-30 µs of host on the H200 (round 16's probe: the block's
-view 17-19 and copy_ 31-33, the results' clone 22-31 and its four views 26-28) where the device
-needs ~2 µs. Here a copy is one C call (~1-2 µs); the addresses are the tensors' own, queued on
-the replay's stream in the order torch's own copy would have been, so the caching allocator's
-stream-ordered reuse holds as for torch's copies.
+Why: a graph step (`gpu_backend.graphs`) copies its block in and its results out, and through
+torch those cost the loop ~100 µs of host a step on the H200 (docs/gpu.md round 16: the block's
+view 17-19 and copy_ 32-33, the results' clone 22-31 and its four views 27-28). Here a copy is
+one call into the driver: a step's three took 22-24 µs. The addresses are the tensors' own,
+queued on the replay's stream where torch's copy would have been, so the caching allocator's
+stream-ordered reuse holds as it does for torch's copies.
 """
 
 from __future__ import annotations

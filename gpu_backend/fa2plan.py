@@ -75,7 +75,7 @@ class Planner:
 
     @classmethod
     def for_model(cls, model: Any, device: Device) -> Planner:
-        """For a trace's `tracedata.ModelShape` (its dtype: 2 bytes, the replay's fp16/bf16)."""
+        """For a trace's `tracedata.ModelShape` (2-byte K/V: `pool.torch_dtype`'s fp16/bf16)."""
         return cls(device, model.num_q_heads, model.num_kv_heads, model.head_dim,
                    model.page_size, 2)
 

@@ -207,7 +207,7 @@ class StepGraphs:
                 return None
             self.captures += 1
         else:
-            e.graph.replay()  # its plan is in the block: the graph copies it (`_body`)
+            e.graph.replay()  # its plan is in the block: `_body`'s conversion writes it
             self.replays += 1
         assert e.out is not None
         # the step's own copy: the next replay rewrites e.out. Measured no better on the H200:

@@ -148,3 +148,27 @@ def test_the_identity_group_is_the_general_one(tmp_path: Path, name: str) -> Non
                    for k in fast)
         taken += not b.is_ctx.any() and bool((b.q_len == b.q_len[0]).all())
     assert taken  # steps the fast path takes
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_advance_rewinds_as_prepare_does(tmp_path: Path, name: str) -> None:
+    """A worker walking a step it hands to the next step's worker (`advance`, rewind) leaves
+    the rejected drafts `prepare_step` would: none for a step without draft rows (the prompts'
+    step, whose batch it no longer builds), the same pool rows and pages otherwise."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    a, b = _state(t), _state(t)
+    from gpu_backend.events import in_flight_poison
+    from gpu_backend.staging import Chunk
+
+    flight = in_flight_poison(t)
+    drafts = 0
+    for s in (x for x in t.steps if t.rows[x.step]):
+        prepare.prepare_step(a, s, t.rows[s.step], flight, Chunk("cpu"))
+        prepare.advance(b, s, t.rows[s.step], flight, True)
+        assert (a.rewind is None) == (b.rewind is None), s.step
+        if a.rewind is not None and b.rewind is not None:
+            drafts += 1
+            for x, y in zip(a.rewind, b.rewind, strict=True):
+                np.testing.assert_array_equal(x, y)
+    if name in ("clean_mtp", "overlap_uncorrected"):
+        assert drafts  # the scenarios reject drafts: both ways were compared

@@ -119,6 +119,12 @@ def _summary(console: Console, res: Any) -> None:
     console.print(t)
     console.print(f"max |out - ref| over ok rows: {max_ok_error(res):.3g}"
                   + (f"; pages watched: {res.watch}" if res.watch else ""))
+    if res.stats.get("plan_mismatches"):
+        console.print(f"[yellow]note:[/yellow] {res.stats['plan_mismatches']} CUDA-graph shape(s) "
+                      "ran eagerly: kvsim's port of FlashInfer's FA2 planner "
+                      "(gpu_backend/fa2plan.py, from 0.7.2.post1) disagreed with this "
+                      "FlashInfer's plan. The verdicts are unaffected; the replay is slower. "
+                      "Please report it with your FlashInfer version.")
     bad = [r for r in res.rows if r.verdict != "ok"][:_FIRST_BAD]
     if not bad:
         return

@@ -286,3 +286,19 @@ def test_the_heap_is_frozen_during_the_replay_and_handed_back_after(tmp_path: Pa
                on_step=on_step)
     assert seen and min(seen) > 0
     assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.parametrize("mismatches", [0, 2])
+def test_the_summary_says_when_graph_shapes_ran_eagerly(mismatches: int) -> None:
+    """A replay whose FA2 plans disagreed with FlashInfer's (`graphs.StepGraphs`) tells the
+    user: nothing else would show it but the stats in --json."""
+    from rich.console import Console
+
+    from gpu_backend.result import ReplayResult
+    from sim.cli.replay_cmd import _summary
+
+    console = Console(record=True, width=200)
+    _summary(console, ReplayResult("flashinfer", "t", 1e-2,
+                                   stats={"plan_mismatches": mismatches}))
+    said = "CUDA-graph shape(s) ran eagerly" in console.export_text()
+    assert said == bool(mismatches)

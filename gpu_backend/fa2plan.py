@@ -229,7 +229,6 @@ def _fill(kv_indptr: np.ndarray, B: int, W: int, tiles: int, max_batch: int, pad
     return True
 
 
-
 def warm() -> None:
     """Compile (or load from numba's cache) the planner's pass now."""
     if not _fill.signatures:

@@ -20,8 +20,9 @@ the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per ge
 - receive: the loop's side (`workers._receive`: the slot's metadata unpickled, its words copied,
   each step's `Prepared` made), per step. The chunk's upload is the device's part and is left
   out (`Chunk.load` keeps the host words only): on the H200 it is an async copy and a launch
-  or two a chunk. Here the words go into fresh (not pinned) memory, whose page faults a CUDA
-  host's cached pinned buffers do not have;
+  or two a chunk. Here the words go into fresh (not pinned) memory; on a GPU host they are not
+  copied at all since 2026-12-01's round 17 (the chunk uploads from its slot, which CUDA has
+  page-locked);
 - unpickle: of receive, the metadata's unpickling alone (the same bytes again, just after);
 - bytes: words and metadata a step crosses from a worker to the loop.
 
@@ -122,7 +123,7 @@ def _ship_pass(trace: TraceData) -> dict[str, float]:
             t0 = time.perf_counter()
             metas = [workers._meta(i, 0.0, p) for i, p in prepared]
             w = chunk.words()
-            workers._to_slot(wlink, metas, w, True)
+            workers._to_slot(wlink, metas, w, True, {})
             t1 = time.perf_counter()
             got = workers._receive(trace, loop, "cpu", steps, llink)
             t2 = time.perf_counter()

@@ -18,8 +18,9 @@ Everything that depends on the trace alone is built ahead on the host (`prepare`
 chunk of steps at a time, so a step only queues device work: no numpy, no host-device syncs. The
 device's per-token errors and moved pages are copied back every EARLY steps, behind those steps'
 work, and turned into verdicts on the host (`oracle.judge`) once they have arrived, while the
-device runs the steps after them. The host waits for all of it every FLUSH steps, after FLUSH_TOKENS
-query tokens (a long prompt step) and at the end.
+device runs the steps after them; with more than LEAD read-backs on their way the host waits for
+the oldest. The host waits for all of it every FLUSH steps, after FLUSH_TOKENS query tokens (a
+long prompt step) and at the end.
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ GUARD_PAGES = 16
 EARLY = 8  # steps per read-back of the verdict data: queued behind them, no wait (read back
 # only every FLUSH steps, a 96-step replay at batch 64 x kv 2k spent ~10 ms of host on its
 # verdicts after the device had finished: a fifth of its wall on the H200)
+LEAD = 2  # read-backs queued and not yet judged, at most: the host then waits for the oldest.
+# Unbounded, the host ran tens of steps ahead of a device-bound replay and judged their
+# verdicts after the device had finished (the loop alone at 64 x 2k 2.42-2.64x with round 16's
+# code against 2.33-2.49 before, when a planner fence held it back); bounded, the chunks a
+# preparation worker shipped are judged, and their slots given back, in time
 FLUSH = 256  # steps between waits for every read-back (one host-device sync each)
 # ... or query tokens: a long prompt step's verdicts (numpy over each token) are then computed
 # right after it, not inside the next 255 steps (bench/gpu_replay.py times those: at batch 64 x
@@ -135,7 +141,11 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     res = ReplayResult(kernels.name, str(trace.path), tol)
     res.watch = watch.name
     with closing(prepared_steps(trace, state, device, workers)) as steps:  # stops the workers
-        _loop(trace, kernels, pool, truth, watch, graphs, steps, res, skip, on_step)
+        try:
+            _loop(trace, kernels, pool, truth, watch, graphs, steps, res, skip, on_step)
+        finally:
+            for undo in state.cleanup:
+                undo()
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     res.stats["prepare_workers"] = workers
     res.stats["prepare_start_s"] = state.start_seconds
@@ -175,7 +185,7 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
             _settle(res, sent, watch)
             tokens = since = 0
         else:
-            _drain(res, sent, watch)
+            _drain(res, sent, watch, LEAD)
         if on_step:
             on_step(p.step.step, "done")
 
@@ -307,10 +317,14 @@ def _to_host(x: torch.Tensor) -> torch.Tensor:
     return host.copy_(x, non_blocking=True)
 
 
-def _drain(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
-    """The verdicts of the read-backs that have arrived, oldest first (no wait)."""
-    while sent and (sent[0].ready is None or sent[0].ready.query()):
-        _verdicts(res, sent.popleft(), watch)
+def _drain(res: ReplayResult, sent: deque[Sent], watch: Watch, lead: int) -> None:
+    """The verdicts of the read-backs that have arrived, oldest first, and of the oldest beyond
+    `lead` still on their way (waiting for them)."""
+    while sent and (len(sent) > lead or sent[0].ready is None or sent[0].ready.query()):
+        s = sent.popleft()
+        if s.ready is not None:
+            s.ready.synchronize()
+        _verdicts(res, s, watch)
 
 
 def _settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:

@@ -56,7 +56,7 @@ class Chunk:
         return a.shape, strides, off
 
     def upload(self) -> None:
-        h64 = self._pinned(max(self.n, 1))
+        h64 = self.pinned(max(self.n, 1))
         if self.parts:
             np.concatenate(self.parts, out=h64.numpy()[: self.n])
         self.load(h64)
@@ -70,7 +70,7 @@ class Chunk:
         """n words read from the pipe `fd` (`words` written by a worker) straight into a pinned
         buffer, for `load`: no framing, no intermediate copy (multiprocessing's
         `recv_bytes_into` reads through a BytesIO, ~4 ms a MB on a development machine)."""
-        h64 = self._pinned(n)
+        h64 = self.pinned(n)
         view = h64.numpy().data.cast("B")
         got = 0
         while got < len(view):
@@ -80,13 +80,7 @@ class Chunk:
             got += k
         return h64
 
-    def copy(self, words: np.ndarray) -> torch.Tensor:
-        """A pinned copy of words (a worker's, in shared memory), for `load`."""
-        h64 = self._pinned(len(words))
-        h64.numpy()[:] = words
-        return h64
-
-    def _pinned(self, n: int) -> torch.Tensor:
+    def pinned(self, n: int) -> torch.Tensor:
         """n int64 words on the host, pinned when they go to a CUDA device."""
         return torch.empty(n, dtype=torch.int64, pin_memory=self.dev.type == "cuda")
 

@@ -16,7 +16,9 @@ cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is it
 (`_Ring`); the pipe carries only which slot. Through the pipe itself a chunk's megabyte cost the
 loop ~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger than a slot (a long prompt
 step) still goes that way. The loop receives the chunks in order, at most one ahead of the steps
-it hands out.
+it hands out. On a GPU it uploads a chunk's words from the slot itself, which CUDA has
+page-locked (`_Pinned`), and gives the slot back once the chunk's steps are all judged
+(`_Ring`).
 
 Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
 few more CUDA graphs than one process would; the arrays, events and verdicts are the same
@@ -26,11 +28,14 @@ touch CUDA (staging in a worker is numpy only).
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import multiprocessing as mp
 import os
 import pickle
+import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, fields
@@ -120,6 +125,10 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
             send.close()
             links.append(_Link(recv, ring))
             procs.append(proc)
+        if torch.device(device).type == "cuda":
+            for link in links:
+                link.ring.pin = _Pinned(link.ring.mem)
+                state.cleanup.append(link.ring.pin.undo)
         state.start_seconds = time.perf_counter() - t0
         state.seconds += state.start_seconds
         yield from _in_order(trace, state, device, steps, links, flight)
@@ -136,26 +145,94 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
             proc.join()
         for link in links:
             link.conn.close()
-            link.ring.mem.close()
 
 
-SLOTS = 1  # shared buffers a worker cycles through. One is enough: a worker's next chunk comes N
-# chunks after its last, which the loop has copied out by then (the worker prepares the next one
-# meanwhile, in its own memory); and every slot the loop reads for the first time costs it page
-# faults (0.2-1.3 ms a MB on a development machine): two a worker, 8 of a 96-step replay's 12
-# chunks were such first reads
-SLOT_BYTES = 8 * prepare.CHUNK_WORDS + (16 << 20)  # a chunk's words and its metadata
+SLOTS = 3  # shared buffers a worker cycles through. On a GPU the loop uploads a chunk straight
+# from its slot (registered with CUDA: no copy into pinned memory, which cost the loop 70-95 µs a
+# step at 64 x 2k on the H200's host, round 17) and gives the slot back once the chunk's steps
+# are all judged (`_Ring.release`), so a worker ahead of the loop waits for a slot
+SLOT_BYTES = 8 << 20  # a chunk's words and metadata: 8 steps at 64 x 8k are ~2.7 MB, at 128 x 8k
+# ~5.3 MB; a larger part goes through the pipe
 
 
 class _Ring:
     """A worker's shared-memory slots (an anonymous shared mapping made before the fork) and
     the count of free ones: the worker takes one to write a chunk into, the loop gives it back
-    once it has copied the chunk out."""
+    once nothing reads the chunk any more."""
 
     def __init__(self, ctx: Any):
         self.mem = mmap.mmap(-1, SLOTS * SLOT_BYTES)  # MAP_SHARED: the fork shares it
         self.free = ctx.Semaphore(SLOTS)
         self.next = 0  # the slot the worker fills next (the loop reads them in the same order)
+        # the loop's side: the slots' registration with CUDA, and the chunks read in place
+        # from them, oldest first: (the chunk, weakly: its slot is free once it is gone; the
+        # event after its upload; its slot's words)
+        self.pin: _Pinned | None = None
+        self.held: deque[tuple[weakref.ref[Chunk], torch.cuda.Event, np.ndarray]] = deque()
+
+    def in_place(self) -> bool:
+        """Whether the loop reads the next chunk from its slot: once CUDA has registered the
+        slots (before that, and on a CPU, a chunk is copied and its slot is free at once)."""
+        return self.pin is not None and self.pin.ok
+
+    def hold(self, chunk: Chunk, words: np.ndarray, done: torch.cuda.Event) -> None:
+        """`chunk` was uploaded from its slot (`words`; `done` fires after the upload): the slot
+        is the chunk's until it goes."""
+        self.held.append((weakref.ref(chunk), done, words))
+
+    def release(self) -> None:
+        """Give the worker back the slots, oldest first, whose chunks are gone: their steps
+        have all been judged, so their uploads are done and nothing reads their words."""
+        while self.held and self.held[0][0]() is None:
+            self.held.popleft()
+            self.free.release()
+
+    def make_room(self) -> None:
+        """Before the loop waits for this worker: if the worker may be waiting for a slot (the
+        loop holds them all), the oldest chunk's words move into pinned memory once its upload
+        is done, and its slot is free. The loop gives slots back only as it judges steps, so
+        it must never wait on a worker that waits on it (one worker, or the first chunks)."""
+        self.release()
+        if len(self.held) < SLOTS:
+            return
+        ref, done, words = self.held.popleft()
+        chunk = ref()
+        if chunk is not None:
+            done.synchronize()
+            chunk.bufs["h64"] = torch.from_numpy(words.copy())  # read by `name@host` views
+        self.free.release()
+
+
+class _Pinned:
+    """The loop's registration of a ring's slots with CUDA (page-locked: a chunk uploads from
+    its slot asynchronously). Made in a thread beside the loop (35-50 ms for 4 workers' 96 MB
+    on the H200's host, round 17: the loop copies the chunks that arrive before it is done),
+    after the fork (a registered range is not inherited), and undone by the driver once the
+    replay's device work is done (`undo`, in `HostState.cleanup`)."""
+
+    def __init__(self, mem: mmap.mmap):
+        self.mem, self.ok = mem, False
+        self.thread = threading.Thread(target=self._register, daemon=True)
+        self.thread.start()
+
+    def _register(self) -> None:
+        rc = torch.cuda.cudart().cudaHostRegister(_address(self.mem), len(self.mem), _PORTABLE)
+        self.ok = int(rc) == 0
+
+    def undo(self) -> None:
+        self.thread.join()
+        if self.ok:
+            self.ok = False
+            with contextlib.suppress(Exception):  # a failed replay's device may be gone
+                torch.cuda.synchronize()
+            torch.cuda.cudart().cudaHostUnregister(_address(self.mem))
+
+
+_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, whatever the device
+
+
+def _address(mem: mmap.mmap) -> int:
+    return int(np.frombuffer(mem, np.uint8).ctypes.data)
 
 
 @dataclass
@@ -201,15 +278,24 @@ def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
     ready = deque(_first_chunk(trace, state, device, steps[:LEAD], flight))
     state.seconds += time.perf_counter() - t0
     c = 1
+    t = time.perf_counter()  # "loop: between": the loop's time here besides receiving chunks
     while c < count or ready:
+        for x in links:
+            x.ring.release()
         link = links[_owner(c, len(links))] if c < count else None
         if link is not None and (not ready or (len(ready) <= per and link.conn.poll(0))):
             t0 = time.perf_counter()
             ready.extend(_receive(trace, state, device, steps, link))
-            state.seconds += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            state.seconds += t1 - t0
+            _spend(state.timing, "loop: between", t0 - t, "loop: receive", t1 - t0)
+            t = t1
             c += 1
             continue
-        yield ready.popleft()
+        p = ready.popleft()
+        _spend(state.timing, "loop: between", time.perf_counter() - t)
+        yield p
+        t = time.perf_counter()
 
 
 def _first_chunk(trace: TraceData, state: HostState, device: torch.device | str,
@@ -233,6 +319,8 @@ def _receive(trace: TraceData, state: HostState, device: torch.device | str,
     out: list[Prepared] = []
     while True:
         t0 = time.perf_counter()
+        if not link.conn.poll(0):
+            link.ring.make_room()
         try:
             msg = link.conn.recv()
         except EOFError:
@@ -243,13 +331,20 @@ def _receive(trace: TraceData, state: HostState, device: torch.device | str,
         if msg[0] == "error":
             raise msg[1]
         chunk = Chunk(device)
+        words = None
         if msg[0] == "slot":
-            metas, n, last, h64 = _from_slot(link.ring, chunk, *msg[1:])
+            _, k, nb_words, nb_meta = msg
+            metas, n, last, h64, words = _from_slot(link.ring, chunk, k, nb_words, nb_meta,
+                                                    state.timing)
         else:
             _, metas, n, last = msg
             h64 = chunk.read(link.conn.fileno(), n)
         t2 = time.perf_counter()
         chunk.load(h64)
+        if words is not None:
+            done = torch.cuda.Event()
+            done.record()
+            link.ring.hold(chunk, words, done)
         _spend(state.timing, "loop: wait", t1 - t0, "loop: copy", t2 - t1,
                "loop: upload", time.perf_counter() - t2)
         for i, seconds, b, slots, rest in metas:
@@ -260,27 +355,44 @@ def _receive(trace: TraceData, state: HostState, device: torch.device | str,
             return out
 
 
-def _from_slot(ring: _Ring, chunk: Chunk, k: int, nb_words: int, nb_meta: int
-               ) -> tuple[Any, int, bool, torch.Tensor]:
-    """(metas, words, last part, pinned words) of the chunk in slot k; the slot is free after."""
+def _from_slot(ring: _Ring, chunk: Chunk, k: int, nb_words: int, nb_meta: int,
+               timing: dict[str, float]
+               ) -> tuple[Any, int, bool, torch.Tensor, np.ndarray | None]:
+    """(metas, words, last part, host words, the slot's words if they are read in place) of
+    the chunk in slot k. Read in place, the slot is the chunk's until it goes
+    (`_Ring.hold`); else the words are copied into pinned memory and the slot is free at once.
+    The unpickling and the pinned buffer's allocation are timed apart ("loop: copy" is all
+    of this)."""
     base = k * SLOT_BYTES
+    t0 = time.perf_counter()
     with memoryview(ring.mem)[base + nb_words: base + nb_words + nb_meta] as meta:
         metas, n, last = pickle.loads(meta)  # read in place (a slice of the mmap copies it)
-    h64 = chunk.copy(np.frombuffer(ring.mem, np.int64, n, base))
-    ring.free.release()
-    return metas, n, last, h64
+    t1 = time.perf_counter()
+    words: np.ndarray | None = np.frombuffer(ring.mem, np.int64, n, base)
+    if n and ring.in_place():
+        h64 = torch.from_numpy(words)
+    else:
+        h64 = chunk.pinned(n)
+        h64.numpy()[:] = words
+        words = None
+        ring.free.release()
+    _spend(timing, "loop: copy: unpickle", t1 - t0, "loop: copy: pin", time.perf_counter() - t1)
+    return metas, n, last, h64, words
 
 
-def _to_slot(link: _Link, metas: list[Any], words: np.ndarray, end: bool) -> None:
+def _to_slot(link: _Link, metas: list[Any], words: np.ndarray, end: bool,
+             spent: dict[str, float]) -> None:
     """A worker's part of a chunk into its next slot (waits for a free one), or through the
     pipe when it does not fit."""
     meta = pickle.dumps((metas, len(words), end), protocol=pickle.HIGHEST_PROTOCOL)
+    ring = link.ring
     if words.nbytes + len(meta) > SLOT_BYTES:
         link.conn.send(("pipe", metas, len(words), end))
         _write(link.conn.fileno(), words.data.cast("B"))
         return
-    ring = link.ring
-    ring.free.acquire()
+    t0 = time.perf_counter()
+    ring.free.acquire()  # the loop makes room before it waits for this (`_Ring.make_room`)
+    _spend(spent, "workers: slot wait", time.perf_counter() - t0)
     k, ring.next = ring.next, (ring.next + 1) % SLOTS
     base = k * SLOT_BYTES
     ring.mem[base: base + words.nbytes] = words.data.cast("B")
@@ -307,7 +419,7 @@ def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: i
             metas.append(_meta(i, t1 - t0, p))
             end = _chunk(i + 1, per) != _chunk(i, per) or i + 1 == len(steps)
             if end or chunk.n >= prepare.CHUNK_WORDS:
-                _to_slot(link, metas, chunk.words(), end)
+                _to_slot(link, metas, chunk.words(), end, spent)
                 chunk, metas = Chunk("cpu"), []
             _spend(spent, "workers: prepare", t1 - t0, "workers: ship", time.perf_counter() - t1)
         link.conn.send(("spent", spent))

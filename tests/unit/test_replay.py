@@ -302,3 +302,34 @@ def test_the_summary_says_when_graph_shapes_ran_eagerly(mismatches: int) -> None
                                    stats={"plan_mismatches": mismatches}))
     said = "CUDA-graph shape(s) ran eagerly" in console.export_text()
     assert said == bool(mismatches)
+
+
+class _Arrival:
+    """A read-back's event that has not fired yet; `synchronize` is the host's wait for it."""
+
+    def __init__(self, waits: list[int], i: int):
+        self.waits, self.i = waits, i
+
+    def query(self) -> bool:
+        return False
+
+    def synchronize(self) -> None:
+        self.waits.append(self.i)
+
+
+def test_the_host_waits_for_the_oldest_read_back_beyond_the_lead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop judges a read-back once it has arrived, and waits for the oldest while more
+    than LEAD are on their way: the host stays within a few read-backs of the device."""
+    from collections import deque
+
+    from gpu_backend import driver
+
+    judged: list[int] = []
+    monkeypatch.setattr(driver, "_verdicts", lambda res, s, watch: judged.append(s.steps[0]))
+    waits: list[int] = []
+    sent = deque(driver.Sent([i], None, None, _Arrival(waits, i)) for i in range(5))  # type: ignore[list-item, arg-type]
+    driver._drain(None, sent, None, 2)  # type: ignore[arg-type]
+    assert waits == judged == [0, 1, 2] and len(sent) == 2
+    driver._drain(None, sent, None, 2)  # type: ignore[arg-type]
+    assert judged == [0, 1, 2]  # within the lead, nothing arrived: no wait

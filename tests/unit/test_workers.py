@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify
 
 from gpu_backend import prepare, workers
@@ -24,7 +25,7 @@ from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import PREP_ONLY
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
 from gpu_backend.reference import ReferenceKernels
-from gpu_backend.staging import PackedSlots
+from gpu_backend.staging import Chunk, PackedSlots
 from gpu_backend.tracedata import TraceData, load_trace
 from sim.errors import KvsimError, TraceError
 
@@ -245,3 +246,64 @@ def test_chunk_zero_is_the_prompt_step_then_chunks_grow_to_chunk_steps() -> None
     assert [workers._chunk(i, 1) for i in range(4)] == [0, 1, 2, 3]
     sizes = np.bincount([workers._chunk(i, 8) for i in range(1000)])
     assert list(sizes[:10]) == [1, 1, 2, 3, 4, 5, 6, 7, 8, 8] and set(sizes[9:-1]) == {8}
+
+
+
+class _Upload:
+    """The event after a chunk's upload from its slot; `synchronize` is the loop's wait."""
+
+    def __init__(self) -> None:
+        self.waited = False
+
+    def synchronize(self) -> None:
+        self.waited = True
+
+
+def _ring_with_all_slots_taken() -> workers._Ring:
+    ring = workers._Ring(mp.get_context("fork"))
+    for _ in range(workers.SLOTS):
+        assert ring.free.acquire(block=False)
+    return ring
+
+
+def _hold(ring: workers._Ring, chunk: Chunk, k: int) -> tuple[np.ndarray, _Upload]:
+    words = np.frombuffer(ring.mem, np.int64, 4, k * workers.SLOT_BYTES)
+    words[:] = [k, 1, 2, 3]
+    chunk.bufs["h64"] = torch.from_numpy(words)
+    done = _Upload()
+    ring.hold(chunk, words, done)  # type: ignore[arg-type]
+    return words, done
+
+
+def test_a_slot_comes_back_once_its_chunk_is_gone_oldest_first() -> None:
+    """On a GPU the loop reads a chunk's words in place: its slot is the worker's again only
+    when every step of the chunk is gone, and in the order the worker filled them."""
+    ring = _ring_with_all_slots_taken()
+    older, newer = Chunk("cpu"), Chunk("cpu")
+    _hold(ring, older, 0)
+    _hold(ring, newer, 1)
+    del newer
+    ring.release()
+    assert not ring.free.acquire(block=False)  # the older chunk still holds the first slot
+    del older
+    ring.release()
+    assert ring.free.acquire(block=False) and ring.free.acquire(block=False)
+    assert not ring.free.acquire(block=False) and not ring.held
+
+
+def test_the_loop_makes_room_before_it_waits_for_a_worker_it_holds_every_slot_of() -> None:
+    """A worker waits for a free slot, and the loop frees slots only as it judges steps: before
+    the loop waits for that worker, the oldest chunk's words leave their slot (once its upload
+    is done), so neither waits on the other. With a slot to spare nothing moves."""
+    ring = _ring_with_all_slots_taken()
+    chunks = [Chunk("cpu") for _ in range(workers.SLOTS)]
+    held = [_hold(ring, c, k) for k, c in enumerate(chunks[:-1])]
+    ring.make_room()
+    assert not ring.free.acquire(block=False) and not held[0][1].waited
+    held.append(_hold(ring, chunks[-1], workers.SLOTS - 1))
+    ring.make_room()
+    assert held[0][1].waited and not held[1][1].waited
+    assert ring.free.acquire(block=False) and len(ring.held) == workers.SLOTS - 1
+    moved = chunks[0].bufs["h64"]
+    held[0][0][:] = -1  # the worker writes its next chunk into the slot
+    assert moved.tolist() == [0, 1, 2, 3]

@@ -63,8 +63,9 @@ EARLY = 8  # steps per read-back of the verdict data: queued behind them, no wai
 LEAD = 2  # read-backs queued and not yet judged, at most: the host then waits for the oldest.
 # Unbounded, the host ran tens of steps ahead of a device-bound replay and judged their
 # verdicts after the device had finished (the loop alone at 64 x 2k 2.42-2.64x with round 16's
-# code against 2.33-2.49 before, when a planner fence held it back); bounded, the chunks a
-# preparation worker shipped are judged, and their slots given back, in time
+# code against 2.33-2.49 before, when a planner fence held it back); bounded, 2.32-2.39 against
+# 2.46-2.57 (round 17, alternated on the H200), and the chunks a preparation worker shipped are
+# judged, and their slots given back, in time
 FLUSH = 256  # steps between waits for every read-back (one host-device sync each)
 # ... or query tokens: a long prompt step's verdicts (numpy over each token) are then computed
 # right after it, not inside the next 255 steps (bench/gpu_replay.py times those: at batch 64 x

@@ -52,7 +52,7 @@ from environment import ROOT, environment
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from gpu_backend import fa2plan, prepare, staging, workers  # noqa: E402
+from gpu_backend import fa2plan, prepare, slots, staging, workers  # noqa: E402
 from gpu_backend.events import in_flight_poison  # noqa: E402
 from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
 
@@ -107,7 +107,7 @@ def _ship_pass(trace: TraceData) -> dict[str, float]:
     st, loop, flight = _state(trace), _state(trace), in_flight_poison(trace)
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    ring = workers._Ring(ctx)
+    ring = slots.Ring(ctx)
     wlink, llink = workers._Link(send, ring), workers._Link(recv, ring)
     prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, staging.Chunk("cpu"))
     ship = receive = loads = 0.0

@@ -144,7 +144,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     with closing(prepared_steps(trace, state, device, workers)) as steps:  # stops the workers
         try:
             _loop(trace, kernels, pool, truth, watch, graphs, steps, res, skip, on_step)
-        finally:
+        finally:  # what the preparation left to undo once the device is done with it (the
+            # workers' slots registered with CUDA), outside the timed steps
             for undo in state.cleanup:
                 undo()
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds

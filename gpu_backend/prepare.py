@@ -104,9 +104,7 @@ class HostState:
     start_seconds: float = 0.0  # of `seconds`: starting the preparation workers, if any
     # with workers: seconds by where they went (the loop's receiving, all workers' own time)
     timing: dict[str, float] = field(default_factory=dict)
-    # what the preparation leaves to undo once the replay's device work is done (the workers'
-    # slots registered with CUDA): `driver._replay` calls them, outside the timed steps
-    cleanup: list[Callable[[], None]] = field(default_factory=list)
+    cleanup: list[Callable[[], None]] = field(default_factory=list)  # after the loop (`driver`)
 
 
 def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:

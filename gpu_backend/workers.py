@@ -13,12 +13,11 @@ slots, the last step's rewind), so every worker walks every step, the other work
 cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is its staged words
 (`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields with the batch as
 `StepBatch.shipped`, ~10 kB a step at 64 x 2k), written into the worker's shared-memory slot
-(`_Ring`); the pipe carries only which slot. Through the pipe itself a chunk's megabyte cost the
-loop ~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger than a slot (a long prompt
-step) still goes that way. The loop receives the chunks in order, at most one ahead of the steps
-it hands out. On a GPU it uploads a chunk's words from the slot itself, which CUDA has
-page-locked (`_Pinned`), and gives the slot back once the chunk's steps are all judged
-(`_Ring`).
+(`gpu_backend.slots`); the pipe carries only which slot. Through the pipe itself a chunk's
+megabyte cost the loop ~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger than a
+slot (a long prompt step) still goes that way. The loop receives the chunks in order, at most
+one ahead of the steps it hands out. On a GPU it uploads a chunk's words from the slot itself,
+which CUDA has page-locked, and gives the slot back once the chunk's steps are all judged.
 
 Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
 few more CUDA graphs than one process would; the arrays, events and verdicts are the same
@@ -28,14 +27,10 @@ touch CUDA (staging in a worker is numpy only).
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import multiprocessing as mp
 import os
 import pickle
-import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass, fields
@@ -46,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_backend import prepare
+from gpu_backend import prepare, slots
 from gpu_backend.events import InFlight, in_flight_poison
 from gpu_backend.layout import build_step
 from gpu_backend.prepare import HostState, Prepared
@@ -117,7 +112,7 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
         for w in range(workers):
             recv, send = ctx.Pipe(duplex=False)
             _widen(send.fileno())
-            ring = _Ring(ctx)
+            ring = slots.Ring(ctx)
             proc = ctx.Process(target=_work,
                                args=(state, flight, steps, w, workers, _Link(send, ring)),
                                daemon=True, name=f"kvsim-prepare-{w}")
@@ -127,7 +122,7 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
             procs.append(proc)
         if torch.device(device).type == "cuda":
             for link in links:
-                link.ring.pin = _Pinned(link.ring.mem)
+                link.ring.pin = slots.Pinned(link.ring.mem)
                 state.cleanup.append(link.ring.pin.undo)
         state.start_seconds = time.perf_counter() - t0
         state.seconds += state.start_seconds
@@ -147,98 +142,10 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
             link.conn.close()
 
 
-SLOTS = 3  # shared buffers a worker cycles through. On a GPU the loop uploads a chunk straight
-# from its slot (registered with CUDA: no copy into pinned memory, which cost the loop 70-95 µs a
-# step at 64 x 2k on the H200's host, round 17) and gives the slot back once the chunk's steps
-# are all judged (`_Ring.release`), so a worker ahead of the loop waits for a slot
-SLOT_BYTES = 8 << 20  # a chunk's words and metadata: 8 steps at 64 x 8k are ~2.7 MB, at 128 x 8k
-# ~5.3 MB; a larger part goes through the pipe
-
-
-class _Ring:
-    """A worker's shared-memory slots (an anonymous shared mapping made before the fork) and
-    the count of free ones: the worker takes one to write a chunk into, the loop gives it back
-    once nothing reads the chunk any more."""
-
-    def __init__(self, ctx: Any):
-        self.mem = mmap.mmap(-1, SLOTS * SLOT_BYTES)  # MAP_SHARED: the fork shares it
-        self.free = ctx.Semaphore(SLOTS)
-        self.next = 0  # the slot the worker fills next (the loop reads them in the same order)
-        # the loop's side: the slots' registration with CUDA, and the chunks read in place
-        # from them, oldest first: (the chunk, weakly: its slot is free once it is gone; the
-        # event after its upload; its slot's words)
-        self.pin: _Pinned | None = None
-        self.held: deque[tuple[weakref.ref[Chunk], torch.cuda.Event, np.ndarray]] = deque()
-
-    def in_place(self) -> bool:
-        """Whether the loop reads the next chunk from its slot: once CUDA has registered the
-        slots (before that, and on a CPU, a chunk is copied and its slot is free at once)."""
-        return self.pin is not None and self.pin.ok
-
-    def hold(self, chunk: Chunk, words: np.ndarray, done: torch.cuda.Event) -> None:
-        """`chunk` was uploaded from its slot (`words`; `done` fires after the upload): the slot
-        is the chunk's until it goes."""
-        self.held.append((weakref.ref(chunk), done, words))
-
-    def release(self) -> None:
-        """Give the worker back the slots, oldest first, whose chunks are gone: their steps
-        have all been judged, so their uploads are done and nothing reads their words."""
-        while self.held and self.held[0][0]() is None:
-            self.held.popleft()
-            self.free.release()
-
-    def make_room(self) -> None:
-        """Before the loop waits for this worker: if the worker may be waiting for a slot (the
-        loop holds them all), the oldest chunk's words move into pinned memory once its upload
-        is done, and its slot is free. The loop gives slots back only as it judges steps, so
-        it must never wait on a worker that waits on it (one worker, or the first chunks)."""
-        self.release()
-        if len(self.held) < SLOTS:
-            return
-        ref, done, words = self.held.popleft()
-        chunk = ref()
-        if chunk is not None:
-            done.synchronize()
-            chunk.bufs["h64"] = torch.from_numpy(words.copy())  # read by `name@host` views
-        self.free.release()
-
-
-class _Pinned:
-    """The loop's registration of a ring's slots with CUDA (page-locked: a chunk uploads from
-    its slot asynchronously). Made in a thread beside the loop (35-50 ms for 4 workers' 96 MB
-    on the H200's host, round 17: the loop copies the chunks that arrive before it is done),
-    after the fork (a registered range is not inherited), and undone by the driver once the
-    replay's device work is done (`undo`, in `HostState.cleanup`)."""
-
-    def __init__(self, mem: mmap.mmap):
-        self.mem, self.ok = mem, False
-        self.thread = threading.Thread(target=self._register, daemon=True)
-        self.thread.start()
-
-    def _register(self) -> None:
-        rc = torch.cuda.cudart().cudaHostRegister(_address(self.mem), len(self.mem), _PORTABLE)
-        self.ok = int(rc) == 0
-
-    def undo(self) -> None:
-        self.thread.join()
-        if self.ok:
-            self.ok = False
-            with contextlib.suppress(Exception):  # a failed replay's device may be gone
-                torch.cuda.synchronize()
-            torch.cuda.cudart().cudaHostUnregister(_address(self.mem))
-
-
-_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, whatever the device
-
-
-def _address(mem: mmap.mmap) -> int:
-    return int(np.frombuffer(mem, np.uint8).ctypes.data)
-
-
 @dataclass
 class _Link:
     conn: Connection
-    ring: _Ring
+    ring: slots.Ring
 
 
 def _owner(c: int, n: int) -> int:
@@ -347,23 +254,23 @@ def _receive(trace: TraceData, state: HostState, device: torch.device | str,
             link.ring.hold(chunk, words, done)
         _spend(state.timing, "loop: wait", t1 - t0, "loop: copy", t2 - t1,
                "loop: upload", time.perf_counter() - t2)
-        for i, seconds, b, slots, rest in metas:
+        for i, seconds, b, at, rest in metas:
             s = steps[i]
             state.step_seconds[s.step] = seconds
-            out.append(Prepared(s, trace.rows[s.step], b, StepArrays(chunk, slots), *rest))
+            out.append(Prepared(s, trace.rows[s.step], b, StepArrays(chunk, at), *rest))
         if last:
             return out
 
 
-def _from_slot(ring: _Ring, chunk: Chunk, k: int, nb_words: int, nb_meta: int,
+def _from_slot(ring: slots.Ring, chunk: Chunk, k: int, nb_words: int, nb_meta: int,
                timing: dict[str, float]
                ) -> tuple[Any, int, bool, torch.Tensor, np.ndarray | None]:
     """(metas, words, last part, host words, the slot's words if they are read in place) of
     the chunk in slot k. Read in place, the slot is the chunk's until it goes
-    (`_Ring.hold`); else the words are copied into pinned memory and the slot is free at once.
+    (`slots.Ring.hold`); else the words are copied into pinned memory and the slot is free at once.
     The unpickling and the pinned buffer's allocation are timed apart ("loop: copy" is all
     of this)."""
-    base = k * SLOT_BYTES
+    base = k * slots.SLOT_BYTES
     t0 = time.perf_counter()
     with memoryview(ring.mem)[base + nb_words: base + nb_words + nb_meta] as meta:
         metas, n, last = pickle.loads(meta)  # read in place (a slice of the mmap copies it)
@@ -386,15 +293,15 @@ def _to_slot(link: _Link, metas: list[Any], words: np.ndarray, end: bool,
     pipe when it does not fit."""
     meta = pickle.dumps((metas, len(words), end), protocol=pickle.HIGHEST_PROTOCOL)
     ring = link.ring
-    if words.nbytes + len(meta) > SLOT_BYTES:
+    if words.nbytes + len(meta) > slots.SLOT_BYTES:
         link.conn.send(("pipe", metas, len(words), end))
         _write(link.conn.fileno(), words.data.cast("B"))
         return
     t0 = time.perf_counter()
-    ring.free.acquire()  # the loop makes room before it waits for this (`_Ring.make_room`)
+    ring.free.acquire()  # the loop makes room before it waits for this (`slots.Ring.make_room`)
     _spend(spent, "workers: slot wait", time.perf_counter() - t0)
-    k, ring.next = ring.next, (ring.next + 1) % SLOTS
-    base = k * SLOT_BYTES
+    k, ring.next = ring.next, (ring.next + 1) % slots.SLOTS
+    base = k * slots.SLOT_BYTES
     ring.mem[base: base + words.nbytes] = words.data.cast("B")
     ring.mem[base + words.nbytes: base + words.nbytes + len(meta)] = meta
     link.conn.send(("slot", k, words.nbytes, len(meta)))

@@ -42,6 +42,30 @@ def test_workers_give_the_loops_rows(tmp_path: Path, name: str,
 
 
 
+
+def _read_in_place(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, bool]]:
+    """Every chunk read from a slot waits for the slots' registration (a test's chunks come
+    faster than any registration), so each is read in place; per chunk: (its words pinned,
+    inside the slot)."""
+    from gpu_backend import slots, workers
+
+    words: list[tuple[bool, bool]] = []
+    real = workers._from_slot
+
+    def from_slot(r: slots.Ring, *a: object) -> object:
+        if r.pin is not None:
+            r.pin.thread.join()
+        got = real(r, *a)  # type: ignore[arg-type]
+        at = got[3].data_ptr() - slots.address(r.mem)
+        words.append((got[3].is_pinned(), 0 <= at < len(r.mem)))
+        return got
+
+    monkeypatch.setattr(workers, "_from_slot", from_slot)
+    monkeypatch.setattr(slots, "SLOT_BYTES", 1 << 20)
+    monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
+    return words
+
+
 def test_chunks_upload_from_the_workers_registered_slots(tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch
                                                          ) -> None:
@@ -50,28 +74,17 @@ def test_chunks_upload_from_the_workers_registered_slots(tmp_path: Path,
     own preparation's; the slots are unregistered when the replay ends."""
     import torch
 
-    from gpu_backend import workers
+    from gpu_backend import slots
 
-    rings: list[workers._Ring] = []
-    words: list[tuple[bool, bool]] = []  # per chunk read from a slot: pinned, inside the slot
-    real_ring, real_from = workers._Ring, workers._from_slot
+    rings: list[slots.Ring] = []
+    real_ring = slots.Ring
 
-    def ring(ctx: object) -> workers._Ring:
+    def ring(ctx: object) -> slots.Ring:
         rings.append(real_ring(ctx))
         return rings[-1]
 
-    def from_slot(r: workers._Ring, *a: object) -> object:
-        if r.pin is not None:
-            r.pin.thread.join()  # this test's chunks come faster than any registration
-        got = real_from(r, *a)  # type: ignore[arg-type]
-        at = got[3].data_ptr() - workers._address(r.mem)
-        words.append((got[3].is_pinned(), 0 <= at < len(r.mem)))
-        return got
-
-    monkeypatch.setattr(workers, "_Ring", ring)
-    monkeypatch.setattr(workers, "_from_slot", from_slot)
-    monkeypatch.setattr(workers, "SLOT_BYTES", 1 << 20)
-    monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
+    monkeypatch.setattr(slots, "Ring", ring)
+    words = _read_in_place(monkeypatch)
     t = load_trace(big_verify(tmp_path / "big", batch=16, kv=512, steps=24))
     want = _replay(t, 0)
     got = _replay(t, 2)
@@ -80,8 +93,8 @@ def test_chunks_upload_from_the_workers_registered_slots(tmp_path: Path,
     cudart = torch.cuda.cudart()
     for r in rings:  # registering again works only if the replay's registration is undone
         assert r.pin is not None and not r.pin.ok
-        assert int(cudart.cudaHostRegister(workers._address(r.mem), len(r.mem), 0)) == 0
-        assert int(cudart.cudaHostUnregister(workers._address(r.mem))) == 0
+        assert int(cudart.cudaHostRegister(slots.address(r.mem), len(r.mem), 0)) == 0
+        assert int(cudart.cudaHostUnregister(slots.address(r.mem))) == 0
 
 
 def test_one_worker_with_one_slot_never_waits_on_the_loop(tmp_path: Path,
@@ -89,27 +102,20 @@ def test_one_worker_with_one_slot_never_waits_on_the_loop(tmp_path: Path,
                                                          ) -> None:
     """A worker whose one slot holds a chunk the loop has not judged yet waits for the slot,
     and the loop, before it waits for that worker, moves the chunk out of the slot
-    (`_Ring.make_room`): the replay ends, with the loop's own rows."""
-    from gpu_backend import workers
+    (`slots.Ring.make_room`): the replay ends, with the loop's own rows."""
+    from gpu_backend import slots
 
     moved: list[bool] = []
-    real_from, real_room = workers._from_slot, workers._Ring.make_room
+    real_room = slots.Ring.make_room
 
-    def from_slot(r: workers._Ring, *a: object) -> object:
-        if r.pin is not None:
-            r.pin.thread.join()  # every chunk read in place
-        return real_from(r, *a)  # type: ignore[arg-type]
-
-    def make_room(r: workers._Ring) -> None:
+    def make_room(r: slots.Ring) -> None:
         before = len(r.held)
         real_room(r)
         moved.append(len(r.held) < before)
 
-    monkeypatch.setattr(workers, "_from_slot", from_slot)
-    monkeypatch.setattr(workers._Ring, "make_room", make_room)
-    monkeypatch.setattr(workers, "SLOTS", 1)
-    monkeypatch.setattr(workers, "SLOT_BYTES", 1 << 20)
-    monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
+    monkeypatch.setattr(slots.Ring, "make_room", make_room)
+    monkeypatch.setattr(slots, "SLOTS", 1)
+    _read_in_place(monkeypatch)
     t = load_trace(big_verify(tmp_path / "big", batch=16, kv=512, steps=24))
     want = _replay(t, 0)
     got = _replay(t, 1)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify
 
-from gpu_backend import prepare, workers
+from gpu_backend import prepare, slots, workers
 from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import PREP_ONLY
@@ -126,7 +126,7 @@ def test_a_part_larger_than_a_slot_takes_the_pipe(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     t = load_trace(big_verify(tmp_path / "big", batch=8, kv=256, steps=9))
     want = _steps(t, 0)
-    monkeypatch.setattr(workers, "SLOT_BYTES", 1 << 17)  # the prompt step's part does not fit
+    monkeypatch.setattr(slots, "SLOT_BYTES", 1 << 17)  # the prompt step's part does not fit
     monkeypatch.setattr(prepare, "CHUNK_STEPS", 1)
     sent: list[str] = []
     real = workers._from_slot
@@ -259,15 +259,15 @@ class _Upload:
         self.waited = True
 
 
-def _ring_with_all_slots_taken() -> workers._Ring:
-    ring = workers._Ring(mp.get_context("fork"))
-    for _ in range(workers.SLOTS):
+def _ring_with_all_slots_taken() -> slots.Ring:
+    ring = slots.Ring(mp.get_context("fork"))
+    for _ in range(slots.SLOTS):
         assert ring.free.acquire(block=False)
     return ring
 
 
-def _hold(ring: workers._Ring, chunk: Chunk, k: int) -> tuple[np.ndarray, _Upload]:
-    words = np.frombuffer(ring.mem, np.int64, 4, k * workers.SLOT_BYTES)
+def _hold(ring: slots.Ring, chunk: Chunk, k: int) -> tuple[np.ndarray, _Upload]:
+    words = np.frombuffer(ring.mem, np.int64, 4, k * slots.SLOT_BYTES)
     words[:] = [k, 1, 2, 3]
     chunk.bufs["h64"] = torch.from_numpy(words)
     done = _Upload()
@@ -296,14 +296,14 @@ def test_the_loop_makes_room_before_it_waits_for_a_worker_it_holds_every_slot_of
     the loop waits for that worker, the oldest chunk's words leave their slot (once its upload
     is done), so neither waits on the other. With a slot to spare nothing moves."""
     ring = _ring_with_all_slots_taken()
-    chunks = [Chunk("cpu") for _ in range(workers.SLOTS)]
+    chunks = [Chunk("cpu") for _ in range(slots.SLOTS)]
     held = [_hold(ring, c, k) for k, c in enumerate(chunks[:-1])]
     ring.make_room()
     assert not ring.free.acquire(block=False) and not held[0][1].waited
-    held.append(_hold(ring, chunks[-1], workers.SLOTS - 1))
+    held.append(_hold(ring, chunks[-1], slots.SLOTS - 1))
     ring.make_room()
     assert held[0][1].waited and not held[1][1].waited
-    assert ring.free.acquire(block=False) and len(ring.held) == workers.SLOTS - 1
+    assert ring.free.acquire(block=False) and len(ring.held) == slots.SLOTS - 1
     moved = chunks[0].bufs["h64"]
     held[0][0][:] = -1  # the worker writes its next chunk into the slot
     assert moved.tolist() == [0, 1, 2, 3]

@@ -64,9 +64,10 @@ class Ring:
 
     def make_room(self) -> None:
         """Before the loop waits for this worker: if the worker may be waiting for a slot (the
-        loop holds them all), the oldest chunk's words move into pinned memory once its upload
-        is done, and its slot is free. The loop gives slots back only as it judges steps, so
-        it must never wait on a worker that waits on it (one worker, or the first chunks)."""
+        loop holds them all), the oldest chunk's words move into host memory once its upload is
+        done (only `name@host` views read them then), and its slot is free. The loop gives
+        slots back only as it judges steps, so it must never wait on a worker that waits on it
+        (one worker, or the first chunks)."""
         self.release()
         if len(self.held) < SLOTS:
             return
@@ -74,7 +75,7 @@ class Ring:
         chunk = ref()
         if chunk is not None:
             done.synchronize()
-            chunk.bufs["h64"] = torch.from_numpy(words.copy())  # read by `name@host` views
+            chunk.bufs["h64"] = torch.from_numpy(words.copy())
         self.free.release()
 
 

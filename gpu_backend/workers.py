@@ -138,7 +138,7 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
             proc.kill()
         for proc in procs:
             proc.join()
-        for link in links:
+        for link in links:  # a ring's mapping goes with the last step viewing its slots
             link.conn.close()
 
 
@@ -267,9 +267,9 @@ def _from_slot(ring: slots.Ring, chunk: Chunk, k: int, nb_words: int, nb_meta: i
                ) -> tuple[Any, int, bool, torch.Tensor, np.ndarray | None]:
     """(metas, words, last part, host words, the slot's words if they are read in place) of
     the chunk in slot k. Read in place, the slot is the chunk's until it goes
-    (`slots.Ring.hold`); else the words are copied into pinned memory and the slot is free at once.
-    The unpickling and the pinned buffer's allocation are timed apart ("loop: copy" is all
-    of this)."""
+    (`slots.Ring.hold`); else the words are copied into pinned memory and the slot is free at
+    once. "loop: copy" times all of this, "loop: copy: unpickle" the metadata and "loop: copy:
+    pin" the words (their pinned copy, or the view of them in place)."""
     base = k * slots.SLOT_BYTES
     t0 = time.perf_counter()
     with memoryview(ring.mem)[base + nb_words: base + nb_words + nb_meta] as meta:

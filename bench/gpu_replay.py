@@ -25,6 +25,10 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   first chunks, less the workers' start and the prompt step's preparation) / kernels;
   `workers.start_ms` is the start (forks, numba's load) left out of it. Every other pass
   prepares on the loop's thread (`workers=0`), as before 2026-12-01's round 13.
+- whole (`whole`): what a user's replay costs, `replay` on its default path from the call to its
+  return: every step (the prompts' too) with everything inside it (the workers' start, the
+  preparation, the pool's set-up) against every step's kernels, the median of 3 (`ratio`);
+  `first_gen_ms`: from the call to the first generation step.
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
@@ -157,10 +161,38 @@ def workers_pass(trace: TraceData, first: int, last: int, serial: ReplayResult
 
 
 def kernel_pass(trace: TraceData) -> list[float]:
-    """Per generation step, the device ms of its append + attention launches."""
+    """Per step, the prompts' first, the device ms of its append + attention launches."""
     k = _kernels(trace, timing=True)
     replay(trace, k, "cuda", watch=WATCH[0], workers=0)
-    return k.kernel_ms()[1:]
+    return k.kernel_ms()
+
+
+def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3
+               ) -> dict[str, Any]:
+    """What a user's replay costs: `replay` on its default path (workers by
+    `workers.trace_workers`), from the call to its return and a device sync, every step, the
+    prompts' included, with everything inside (the workers' start, every step's preparation,
+    the pool's set-up), against every step's kernels; the median of `reps` passes.
+    `first_gen_ms`: from the call to the first generation step's start (the prompts' step and
+    what the host does before and while it runs)."""
+    walls, firsts = [], []
+    marks: dict[str, float] = {}
+
+    def on_step(step: int, what: str) -> None:
+        if (step, what) == (first, "start"):
+            marks["first"] = time.perf_counter()
+
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0])
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        firsts.append((marks["first"] - t0) * 1e3)
+    wall, kern = sorted(walls)[len(walls) // 2], sum(kernel_ms)
+    return {"wall_ms": wall, "wall_ms_all": walls, "first_gen_ms": sorted(firsts)[reps // 2],
+            "kernel_ms": kern, "prompt_kernel_ms": kernel_ms[0], "ratio": wall / kern,
+            "workers": workers.trace_workers(trace, "cuda")}
 
 
 def profile_pass(trace: TraceData, first: int, last: int) -> None:
@@ -307,7 +339,9 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     wall2, wait2, pin2, res2, _ = wall_pass(trace, first, last)
     wall_p, _, pin_p, res_p, _ = wall_pass(trace, first, last, ahead=False)
     par = workers_pass(trace, first, last, res) if WORKERS[0] else None
-    ms = kernel_pass(trace)
+    ms_all = kernel_pass(trace)
+    ms = ms_all[1:]
+    whole = whole_pass(trace, first, ms_all)
     ph = phases_pass(trace, first, last) if phases else None
     dev = device_pass(trace, first, last) if device else None
     if profile:
@@ -341,7 +375,7 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
                       "ratio_excl_prepare": (wall2 - pin2) / kern,
                       "same_verdicts": [r.verdict for r in res.rows] ==
                       [r.verdict for r in res2.rows]},
-           "kernel_ms_min_max": [min(ms), max(ms)]}
+           "kernel_ms_min_max": [min(ms), max(ms)], "whole": whole}
     if par is not None:
         out["workers"] = par | {"ratio_end_to_end": (par["wall_ms_per_step"] +
                                                      par["before_ms_per_step"]) / kern}
@@ -370,7 +404,9 @@ def sweep(sizes: str, work: Path, device: bool = False, steps: int = 12
               f"{r['pipelined']['ratio_end_to_end']:.2f}x pipelined, "
               f"{r['ratio_gen_incl_prepare']:.2f}x all ahead"
               + (f", {r['workers']['ratio_end_to_end']:.2f}x with {r['workers']['n']} workers"
-                 if "workers" in r else "") + f", {r['counts']}", flush=True)
+                 if "workers" in r else "") + f"; whole replay {r['whole']['wall_ms']:.1f} ms "
+              f"against {r['whole']['kernel_ms']:.1f} of kernels ({r['whole']['ratio']:.2f}x), "
+              f"{r['counts']}", flush=True)
         out.append({"batch": batch, "kv": kv} | r)
         torch.cuda.empty_cache()
     return out

@@ -9,13 +9,13 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   kernels, checksums, fp32 reference, per-token errors), from a device sync before the first
   generation step to one after the last, divided by the step count; no events, no spins. The
   first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`):
-  these passes prepare every step before the first (chunks of `prepare.CHUNK_WORDS` only, as
-  the replay did until 2026-12-01), so `ratio` is the replay loop's own, comparable across
-  rounds. A trace longer than one such chunk prepares its later chunks inside the timed steps:
-  `prepare_in_wall_ms_per_step` is that time, `ratio_excl_prepare` the ratio without it.
-- pipelined (one more pass, the replay's default): every step after the first chunk of
-  `prepare.CHUNK_STEPS` is prepared inside the timed steps, a step at a time between them
-  (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
+  these passes prepare every step before the first (the preparation drained before the
+  replay starts; until 2026-12-02 in chunks of `prepare.CHUNK_WORDS`, whose later ones went
+  inside the timed steps of long traces: `prepare_in_wall_ms_per_step`, now 0, and
+  `ratio_excl_prepare`), so `ratio` is the replay loop's own, comparable across rounds.
+- pipelined (one more pass, the replay's default): the steps are prepared in chunks one ahead
+  (`prepare.ramp`: the first ones small), the later chunks a step at a time between the timed
+  steps (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
   generation steps' preparation done before it) / kernels: what a user's replay of the
   generation steps costs, preparation included.
 - workers (one more pass, `--workers N`, by default 4 where the host has 6 cores or more,
@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from gpu_backend import driver, prepare, workers
+from gpu_backend import driver, workers
 from gpu_backend.calibrate import meta
 from gpu_backend.driver import replay
 from gpu_backend.replay import FlashInferKernels
@@ -98,9 +98,9 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True, worke
     those steps, ms per step of host preparation inside them, result, ms the loop spent getting
     its prepared steps before `first`) of one untimed replay.
     The wait is the time the host sat in FlashInfer-plan fences (the only waits in a step):
-    wall - wait is the host's own time. ahead: every step prepared before the first, in
-    chunks of `prepare.CHUNK_WORDS` only; else one chunk of `prepare.CHUNK_STEPS` ahead, the
-    later steps between the timed ones. Preparation inside the timed steps is counted here.
+    wall - wait is the host's own time. ahead: every step prepared before the replay starts;
+    else as the replay prepares them (`prepare.prepared_steps`), one chunk ahead, the later
+    steps between the timed ones. Preparation inside the timed steps is counted here.
     workers: preparation processes (`gpu_backend.workers`; 0: the loop's thread)."""
     marks: dict[str, float] = {}
     prep = {"on": 0.0, "s": 0.0, "pre": 0.0}
@@ -108,6 +108,12 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True, worke
     real = driver.prepared_steps
 
     def timed_steps(*a: Any, **kw: Any) -> Any:
+        if ahead:  # every step prepared before the replay starts
+            t0 = time.perf_counter()
+            every = list(real(*a, **kw))
+            prep["pre"] += time.perf_counter() - t0
+            yield from every
+            return
         with contextlib.closing(real(*a, **kw)) as it:
             while True:
                 t0 = time.perf_counter()
@@ -127,13 +133,10 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True, worke
             prep["on"] = float(what == "start")
 
     driver.prepared_steps = timed_steps  # type: ignore[assignment]
-    chunk = prepare.CHUNK_STEPS
-    prepare.CHUNK_STEPS = 1 << 30 if ahead else chunk
     try:
         res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0], workers=workers)
     finally:
         driver.prepared_steps = real  # type: ignore[assignment]
-        prepare.CHUNK_STEPS = chunk
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
             (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res,

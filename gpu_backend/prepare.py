@@ -142,14 +142,13 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
     flight = in_flight_poison(trace)
     chunk, batch = Chunk(device), []
     ready: deque[Prepared] = deque()
-    for s in trace.steps:
-        rows = trace.rows[s.step]
-        if not rows:
-            continue  # as the old loop: such a step's events are not applied
+    steps = [s for s in trace.steps if trace.rows[s.step]]  # as the old loop: a step without
+    # rows has its events left unapplied
+    for i, s in enumerate(steps):
         t0 = time.perf_counter()
-        batch.append(prepare_step(state, s, rows, flight, chunk))
+        batch.append(prepare_step(state, s, trace.rows[s.step], flight, chunk))
         state.step_seconds[s.step] = time.perf_counter() - t0
-        if chunk.n >= CHUNK_WORDS or len(batch) >= CHUNK_STEPS:
+        if chunk.n >= CHUNK_WORDS or ramp(i + 1, CHUNK_STEPS, 1) != ramp(i, CHUNK_STEPS, 1):
             chunk.upload()
             ready.extend(batch)
             chunk, batch = Chunk(device), []
@@ -162,6 +161,19 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
         ready.extend(batch)
         state.seconds += time.perf_counter() - t0
     yield from ready
+
+
+def ramp(i: int, per: int, lead: int) -> int:
+    """The chunk of the i-th step with rows: chunk 0 holds the first `lead` steps, then chunk c
+    has min(c, per) steps. The loop launches a step once it holds the next one (`driver._loop`),
+    so small first chunks start the device sooner: the prompts' step, tens of ms of device
+    work at batch 64, runs while the host prepares the steps after it."""
+    if i < lead:
+        return 0
+    j, c = i - lead, 1
+    while c < per and j >= c:
+        j, c = j - c, c + 1
+    return c + j // per if c == per else c
 
 
 def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
@@ -208,8 +220,8 @@ def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFligh
     st.prev_step = s.step
     st.rewind = None
     # only a gen row's appends past its accepted tokens are rejected drafts (`flatten`): a step
-    # without one needs no batch. The prompts' step, which worker 0 walks before its first
-    # chunk: 5.2 -> 1.4 ms at 64 x 2k on a development machine (replay_host's first_walk_us)
+    # without one needs no batch (the prompts' step: 5.2 -> 1.4 ms at 64 x 2k on a development
+    # machine, when the workers still walked it)
     if rewind and any(r.phase == "gen" and len(r.append_pos) > r.new_tokens for r in rows):
         shared = np.fromiter(st.shared, np.int64, len(st.shared))
         _rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,

@@ -15,8 +15,8 @@ V's dtype for two P·V products (P keeps ~16 bits). The online rescaling adds fp
 only (checked against fp64 on the H200: docs/gpu.md).
 
 Masking: query j of row r sees keys 0..limit[r, j], limit non-decreasing in j (causal rows);
-keys past the row's last limit are not visited at all (exp(-inf) is exactly 0, so skipping them
-changes nothing).
+keys past the last limit of a program's tile of queries are not visited at all (exp(-inf) is
+exactly 0, so skipping them changes nothing).
 """
 
 from __future__ import annotations
@@ -52,7 +52,10 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
                 mask=valid[:, None], other=0.0)
     lim = tl.load(LIMIT + r * sl_r + w, mask=valid, other=0)  # padding queries see key 0
     base = KV + tl.load(SLOTS + r) * skv_s + h * skv_h
-    hi = tl.minimum(tl.load(LIMIT + r * sl_r + W - 1) + 1, L)  # limits grow with j: the row's last
+    # the tile's last visible key + 1: every key past it is masked for all of the tile's queries
+    # (a causal prompt's early tiles stop early: half the work of a prefill row, bit for bit the
+    # same output, since a fully masked block leaves m, den and acc exactly as they were)
+    hi = tl.minimum(tl.max(tl.where(valid, lim, 0), 0) + 1, L)
     # a finite start: a fully masked tile then gives alpha = 1, p = 0, not NaN
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)

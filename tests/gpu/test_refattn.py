@@ -134,6 +134,22 @@ def test_reference_kernel_matches_torch_fp32_and_fp64(fused: ModuleType, R: int,
         assert (out - ref32).abs().max().item() < 6e-6  # the torch path: 1e-6 / 3.4e-6 to fp64
 
 
+def test_reference_kernel_on_causal_prompts(fused: ModuleType) -> None:
+    # a prompt's rows start at 0: each tile of queries stops at its own last visible key. 1000
+    # queries: tiles of 64 that span two heads (the tile's keys end at the first head's last)
+    g = torch.Generator(device=DEV).manual_seed(11)
+    R, W, Hq, Hkv, D = 2, 1000, 32, 8, 128
+    kv = (torch.rand(2, R, Hkv, W, D, device=DEV, generator=g) * 2 - 1).bfloat16()
+    q = ((torch.rand(R, W, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
+    slots = torch.tensor([1, 0], device=DEV)
+    limit = torch.arange(W, device=DEV)[None, :].repeat(R, 1)
+    out = fused.attend(q, kv, slots, limit, W)
+    ref = _fp64(q, kv[0, slots], kv[1, slots], limit)
+    assert (out.double() - ref).abs().max().item() < 3e-6
+    # query 0 sees key 0 alone: its output is V_0, exactly
+    assert torch.equal(out[:, 0], kv[1, slots, :, 0].float().repeat_interleave(Hq // Hkv, 1))
+
+
 def test_reference_kernel_on_a_misaligned_query_view(fused: ModuleType) -> None:
     # Launcher keys on 16-byte alignment: a view 2 bytes in must not reuse the aligned kernel
     g = torch.Generator(device=DEV).manual_seed(7)

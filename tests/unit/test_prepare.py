@@ -4,6 +4,7 @@ from the trace's Arrow columns and flatten as the rows' tuples do."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,9 @@ def _state(trace: TraceData) -> HostState:
 
 def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first chunk is prepared whole; after it, one step of the next chunk is prepared
-    before each step is handed out, and the last chunk's steps follow once all are prepared."""
+    """Chunks of 1, 1, 2, 3, 3 steps (`prepare.ramp`): a chunk is prepared whole before its
+    first step is handed out, then one step of the next chunk before each later step; the last
+    chunk's steps follow once all are prepared."""
     monkeypatch.setattr(prepare, "CHUNK_STEPS", 3)
     made: list[int] = []
     real = prepare.prepare_step
@@ -47,7 +49,13 @@ def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,
     monkeypatch.setattr(prepare, "prepare_step", counted)
     seen = [len(made) for _ in prepared_steps(trace, _state(trace), "cpu")]
     n = len(trace.steps)
-    assert n == 10 and seen == [min(3 + i, n) for i in range(n)]
+    assert n == 10 and seen == [1, 2, 4, 5, 7, 8, 9, 10, 10, 10]
+
+
+def test_the_ramp() -> None:
+    sizes = Counter(prepare.ramp(i, 4, 1) for i in range(20))
+    assert [sizes[c] for c in sorted(sizes)] == [1, 1, 2, 3, 4, 4, 4, 1]
+    assert [prepare.ramp(i, 3, 2) for i in range(8)] == [0, 0, 1, 2, 2, 3, 3, 3]
 
 
 def _arrays(p: Prepared) -> dict[str, np.ndarray]:

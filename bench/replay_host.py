@@ -12,6 +12,9 @@ the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per ge
 - prepare: `prepare.prepare_step` (what the loop's own preparation costs, and each worker's
   step of its own chunks);
 - walk: `prepare.advance` (a worker's step of the other workers' chunks);
+- first_walk: worker 0's walk over the prompts' step, with its rewind (`advance(..., True)`),
+  before it prepares the first generation step: what the loop's first generation step waits
+  for besides the worker's start and that step's preparation (µs, once, not per step);
 - ship: a worker's shipping of a prepared chunk (`workers._meta`, the words, `workers._to_slot`
   into a shared-memory slot), per step;
 - receive: the loop's side (`workers._receive`: the slot's metadata unpickled, its words copied,
@@ -88,6 +91,15 @@ def _walk_pass(trace: TraceData) -> float:
     return sum(spent[1:]) / max(len(spent) - 1, 1) * 1e6
 
 
+def _first_walk_pass(trace: TraceData) -> float:
+    """µs of worker 0's walk over the prompts' step (the first step with rows)."""
+    st, flight = _state(trace), in_flight_poison(trace)
+    s = next(x for x in trace.steps if trace.rows[x.step])
+    t0 = time.perf_counter()
+    prepare.advance(st, s, trace.rows[s.step], flight, True)
+    return (time.perf_counter() - t0) * 1e6
+
+
 def _ship_pass(trace: TraceData) -> dict[str, float]:
     """µs per generation step of shipping and of receiving, and the bytes a step ships, over
     chunks of `prepare.CHUNK_STEPS` (the worker's preparation itself is not timed)."""
@@ -144,7 +156,8 @@ def _median(fn: Callable[[], Any], reps: int) -> Any:
 def measure(trace: TraceData, reps: int) -> dict[str, float]:
     staging.Chunk.load = _host_load  # type: ignore[method-assign]
     out = {"prepare_us": _median(lambda: _prepare_pass(trace), reps),
-           "walk_us": _median(lambda: _walk_pass(trace), reps)}
+           "walk_us": _median(lambda: _walk_pass(trace), reps),
+           "first_walk_us": _median(lambda: _first_walk_pass(trace), reps)}
     return out | _median(lambda: _ship_pass(trace), reps)
 
 

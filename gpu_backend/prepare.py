@@ -220,8 +220,8 @@ def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFligh
     st.prev_step = s.step
     st.rewind = None
     # only a gen row's appends past its accepted tokens are rejected drafts (`flatten`): a step
-    # without one needs no batch (the prompts' step: 5.2 -> 1.4 ms at 64 x 2k on a development
-    # machine, when the workers still walked it)
+    # without one needs no batch. The prompts' step, which worker 0 walks before its first
+    # chunk: 5.2 -> 1.4 ms at 64 x 2k on a development machine (replay_host's first_walk_us)
     if rewind and any(r.phase == "gen" and len(r.append_pos) > r.new_tokens for r in rows):
         shared = np.fromiter(st.shared, np.int64, len(st.shared))
         _rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,

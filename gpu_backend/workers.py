@@ -4,15 +4,13 @@ Why: at batch 64 x kv 2k the device runs a step in ~0.32 ms, and preparing one t
 host 0.6-1.0 ms on the loop's own thread (docs/gpu.md, round 12): the replay was bound by the
 host's preparation end to end. Here N forked workers prepare it while the loop only launches.
 
-The steps (those with rows) are cut into chunks: chunk 0, the loop's own, is the prompts' step
-(whose arrays cost more to ship than to build: ~0.3 s before the first generation step at batch
-128 x kv 8k) and the step after it; the workers fork once the loop has handed both out, so the
-device runs the prompts' step while they start. Then come chunks of 1, 2, ... up to
-`prepare.CHUNK_STEPS` steps (`_chunk`), worker w's those c >= 1 with (c - 1) % N == w
-(`_owner`). A chunk's preparation needs the host state of the steps before it (block
-refcounts, truth slots, the last step's rewind): the workers inherit chunk 0's from the loop
-and walk every later step, the other workers' ones cheaply (`prepare.advance`: events and
-slots, no arrays). A prepared chunk is its staged words
+The steps (those with rows) are cut into chunks: chunk 0, the loop's own while the workers start,
+is the prompts' step (whose arrays cost more to ship than to build: ~0.3 s before the first
+generation step at batch 128 x kv 8k), then chunks of 1, 2, ... up to `prepare.CHUNK_STEPS`
+steps (`_chunk`), worker w's those c >= 1 with (c - 1) % N == w (`_owner`).
+A chunk's preparation needs the host state of the steps before it (block refcounts, truth
+slots, the last step's rewind), so every worker walks every step, the other workers' ones
+cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is its staged words
 (`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields with the batch as
 `StepBatch.shipped`, ~10 kB a step at 64 x 2k), written into the worker's shared-memory slot
 (`gpu_backend.slots`); the pipe carries only which slot. Through the pipe itself a chunk's
@@ -107,13 +105,6 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
                    np.zeros(0, np.int64), trace.columns.get(s.step))
     if state.graphs is not None:
         fa2plan.warm()
-    # chunk 0 is the loop's, handed out before the workers start: the loop launches the prompts'
-    # step once it holds the next one, so the device runs it while the workers fork, and they
-    # fork with the host state after chunk 0 (nothing of it to walk)
-    first = _first_chunk(trace, state, device, steps[:LEAD], flight)
-    state.seconds += time.perf_counter() - t0
-    yield from first
-    t0 = time.perf_counter()
     ctx = mp.get_context("fork")
     links: list[_Link] = []
     procs = []
@@ -135,7 +126,7 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
                 state.cleanup.append(link.ring.pin.undo)
         state.start_seconds = time.perf_counter() - t0
         state.seconds += state.start_seconds
-        yield from _in_order(trace, state, device, steps, links)
+        yield from _in_order(trace, state, device, steps, links, flight)
         for link in links:  # each worker's time, sent after its last chunk
             try:
                 msg = link.conn.recv() if link.conn.poll(1.0) else ("", {})
@@ -162,9 +153,9 @@ def _owner(c: int, n: int) -> int:
     return (c - 1) % n if c else -1
 
 
-LEAD = 2  # chunk 0, the loop's own: the prompts' step and the one after it, which the loop
-# holds before it launches the prompts' step (`driver._loop` holds the next step before it
-# runs the current one)
+LEAD = 1  # chunk 0, the loop's own: the prompts' step. The loop then looks ahead to step 1 while
+# it launches that one (`driver._loop` holds the next step before it runs the current one),
+# from worker 0: its chunk is ready by then unless the prompts' step is light (the ramp below)
 
 
 def _chunk(i: int, per: int) -> int:
@@ -172,19 +163,25 @@ def _chunk(i: int, per: int) -> int:
     chunk c has min(c, per) steps). Why the ramp: a worker's first chunk after the fork comes
     slowly (its first writes copy the pages it shares with the loop: 8 steps took 11-17 ms on a
     development machine against ~4 ms warm) and the loop needs it at once; each later one is
-    needed after the loop has run all the chunks before it."""
+    needed after the loop has run all the chunks before it.
+    Forking after chunk 0 instead, while the device ran the prompts' step (2026-12-02), was
+    slower at 64 x 2k: the first worker chunk then came ~45 ms after the forks, which no longer
+    overlapped the loop's preparation of the prompts' step (`docs/gpu.md` round 18)."""
     return prepare.ramp(i, per, LEAD)
 
 
 def _in_order(trace: TraceData, state: HostState, device: torch.device | str,
-              steps: list[StepRecord], links: list[_Link]) -> Iterator[Prepared]:
-    """The chunks after chunk 0 from their workers in order: the next one is received once it
-    has arrived (at most one chunk ahead of the step handed out), or when no step is left to
-    hand out. The loop waits for a worker only then: blocking for chunk 1 at the first step
-    cost ~10 ms before the first generation step at batch 64 x kv 2k."""
+              steps: list[StepRecord], links: list[_Link], flight: InFlight
+              ) -> Iterator[Prepared]:
+    """Chunk 0 prepared here, then the chunks from their workers in order: the next one is
+    received once it has arrived (at most one chunk ahead of the step handed out), or when no
+    step is left to hand out. The loop waits for a worker only then: blocking for chunk 1 at
+    the first step cost ~10 ms before the first generation step at batch 64 x kv 2k."""
     per = prepare.CHUNK_STEPS
     count = _chunk(len(steps) - 1, per) + 1 if steps else 0
-    ready: deque[Prepared] = deque()
+    t0 = time.perf_counter()
+    ready = deque(_first_chunk(trace, state, device, steps[:LEAD], flight))
+    state.seconds += time.perf_counter() - t0
     c = 1
     t = time.perf_counter()  # "loop: between": the loop's time here besides receiving chunks
     while c < count or ready:
@@ -310,15 +307,12 @@ def _to_slot(link: _Link, metas: list[Any], words: np.ndarray, end: bool,
 
 def _work(st: HostState, flight: InFlight, steps: list[StepRecord], w: int, n: int,
           link: _Link) -> None:
-    """Worker w of n: prepare its chunks (`_owner`), walk the other steps (forked with the
-    host state after chunk 0's, which is the loop's)."""
+    """Worker w of n: prepare its chunks (`_owner`), walk the other steps."""
     per = prepare.CHUNK_STEPS
     spent: dict[str, float] = {}
     try:
         chunk, metas = Chunk("cpu"), []
         for i, s in enumerate(steps):
-            if i < LEAD:
-                continue
             rows = st.trace.rows[s.step]
             t0 = time.perf_counter()
             if _owner(_chunk(i, per), n) != w:

@@ -209,9 +209,6 @@ def test_closing_early_stops_the_workers(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(prepare, "prepare_step", slow)
     monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
     it = prepared_steps(t, _state(t), "cpu", 3)
-    for _ in range(workers.LEAD):  # chunk 0, the loop's, before any worker starts
-        next(it)
-    assert not mp.active_children()
     next(it)
     assert len(mp.active_children()) == 3
     it.close()
@@ -243,12 +240,12 @@ def test_the_trace_decides_the_default(tmp_path: Path, monkeypatch: pytest.Monke
     assert workers.trace_workers(long, "cuda") == 0
 
 
-def test_chunk_zero_is_the_prompt_step_and_the_next_then_chunks_grow_to_chunk_steps() -> None:
-    assert [workers._chunk(i, 3) for i in range(15)] == [0, 0, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5,
-                                                         5, 6]
-    assert [workers._chunk(i, 1) for i in range(5)] == [0, 0, 1, 2, 3]
+def test_chunk_zero_is_the_prompt_step_then_chunks_grow_to_chunk_steps() -> None:
+    assert [workers._chunk(i, 3) for i in range(14)] == [0, 1, 2, 2, 3, 3, 3, 4, 4, 4, 5, 5, 5,
+                                                         6]
+    assert [workers._chunk(i, 1) for i in range(4)] == [0, 1, 2, 3]
     sizes = np.bincount([workers._chunk(i, 8) for i in range(1000)])
-    assert list(sizes[:10]) == [2, 1, 2, 3, 4, 5, 6, 7, 8, 8] and set(sizes[9:-1]) == {8}
+    assert list(sizes[:10]) == [1, 1, 2, 3, 4, 5, 6, 7, 8, 8] and set(sizes[9:-1]) == {8}
 
 
 

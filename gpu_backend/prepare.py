@@ -24,7 +24,7 @@ from gpu_backend import graphs
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
-from gpu_backend.layout import StepBatch, build_step, member, run_arrays
+from gpu_backend.layout import StepBatch, build_step, member, run_arrays, unique
 from gpu_backend.pool import mod_m
 from gpu_backend.staging import Chunk, StepArrays, stage
 from gpu_backend.tracedata import TraceData
@@ -187,7 +187,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     slots, fill = _admit(st, b, arrays)
     arrays |= _step_arrays(b, slots) | run_arrays(b)
     if touched:
-        arrays["touched"] = np.unique(touched)
+        arrays["touched"] = unique(np.array(touched, dtype=np.int64))
     wpages, wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, touched)
     wok = _blameless(b, wpages)
     if len(wpages):
@@ -235,7 +235,7 @@ def _rewind(st: HostState, b: StepBatch) -> None:
     if b.reject_page.size:
         pz = st.trace.model.page_size
         base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
-        st.rewind = (np.concatenate([base, base + pz]), np.unique(b.reject_page))
+        st.rewind = (np.concatenate([base, base + pz]), unique(b.reject_page))
 
 
 def _release(st: HostState, step: int, requests: list[int]) -> None:
@@ -249,7 +249,7 @@ def _targets(b: StepBatch, pages: int, touched: list[int]) -> tuple[np.ndarray, 
     """(the pages the step's appends target inside the pool, those its events did not touch
     first; how many of the latter)."""
     ew = b.engine_write
-    w = np.unique(ew[(ew >= 0) & (ew < pages)])
+    w = unique(ew[(ew >= 0) & (ew < pages)])
     if not touched:
         return w, len(w)
     hit = member(w, np.sort(np.array(touched, dtype=np.int64)))
@@ -262,7 +262,7 @@ def _blameless(b: StepBatch, wpages: np.ndarray) -> np.ndarray:
     fault (`oracle.blame` finds none), so the usual step needs no blame at all."""
     ok = member(wpages, np.sort(b.allowed_pages.astype(np.int64)))
     ew = b.engine_write
-    wrong = np.unique(ew[~b.write_ok])
+    wrong = unique(ew[~b.write_ok])
     return ok & ~member(wpages, wrong) if len(wrong) else ok
 
 
@@ -380,6 +380,9 @@ def _ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
     out = []
     for g, rows in enumerate(rows_of):
         pre = f"g{g}_"
+        if fast and len(rows) == 1 and b.q_len[rows[0]] > 0:
+            out.append(_single_row_group(b, int(rows[0]), slots, arrays, pre))
+            continue
         ql = b.q_len[rows]
         W = int(ql.max())
         j = np.arange(W)
@@ -398,6 +401,18 @@ def _ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
                             int(sl[0]) if consecutive else -1, int(limit.min()) + 1, identity,
                             (int(dst[0]), int(dst[-1]) + 1) if run else None))
     return out
+
+
+def _single_row_group(b: StepBatch, r: int, slots: np.ndarray, arrays: dict[str, np.ndarray],
+                      pre: str) -> RefGroup:
+    """`_ref_groups`' group of row r alone (a context row): its W queries are tokens
+    qo[r] .. qo[r] + W - 1 in order, query j sees keys up to committed + j. A prompts' step has
+    one per row: the general arithmetic took ~55 µs a row on a development machine."""
+    W, c, q0 = int(b.q_len[r]), int(b.committed[r]), int(b.qo_indptr[r])
+    j = np.arange(W, dtype=np.int64)
+    arrays |= {pre + "limit": (c + j)[None, :], pre + "tok": (q0 + j)[None, :],
+               pre + "slots": slots[r: r + 1]}
+    return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W))
 
 
 def _identity_group(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray]) -> RefGroup:

@@ -137,11 +137,12 @@ def test_the_columns_of_rows_out_of_table_order_are_gathered(trace: TraceData) -
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_the_identity_group_is_the_general_one(tmp_path: Path, name: str) -> None:
-    """`prepare._identity_group` (steady steps of equal-width gen rows) gives the arrays and the
-    group the general `_ref_groups` gives, on every scenario step it takes."""
+def test_the_fast_groups_are_the_general_ones(tmp_path: Path, name: str) -> None:
+    """`prepare._identity_group` (steady steps of equal-width gen rows) and
+    `prepare._single_row_group` (a context row) give the arrays and the groups the general
+    `_ref_groups` gives, on every scenario step they take."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
-    taken = 0
+    taken = ctx = 0
     for s in t.steps:
         if not t.rows[s.step]:
             continue
@@ -155,7 +156,8 @@ def test_the_identity_group_is_the_general_one(tmp_path: Path, name: str) -> Non
         assert all(fast[k].dtype == slow[k].dtype and fast[k].tolist() == slow[k].tolist()
                    for k in fast)
         taken += not b.is_ctx.any() and bool((b.q_len == b.q_len[0]).all())
-    assert taken  # steps the fast path takes
+        ctx += int((b.is_ctx & (b.q_len > 0)).sum())
+    assert taken and ctx  # steps and rows the fast paths take
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -9,6 +9,9 @@ it. This bench times that host work without a device, on the same benchmark trac
 the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per generation step
 (the prompts' step left out):
 
+- prompt: `prepare.prepare_step` on the prompts' step, in ms (the loop prepares it before
+  anything runs: at batch 64 it is tens of ms of a whole replay, `bench/gpu_replay.py`'s
+  `whole`);
 - prepare: `prepare.prepare_step` (what the loop's own preparation costs, and each worker's
   step of its own chunks);
 - walk: `prepare.advance` (a worker's step of the other workers' chunks);
@@ -78,6 +81,15 @@ def _prepare_pass(trace: TraceData) -> float:
         prepare.prepare_step(st, s, trace.rows[s.step], flight, staging.Chunk("cpu"))
         spent.append(time.perf_counter() - t0)
     return sum(spent[1:]) / max(len(spent) - 1, 1) * 1e6
+
+
+def _prompt_pass(trace: TraceData) -> float:
+    """ms of `prepare_step` on the prompts' step (the first step with rows)."""
+    st, flight = _state(trace), in_flight_poison(trace)
+    s = next(x for x in trace.steps if trace.rows[x.step])
+    t0 = time.perf_counter()
+    prepare.prepare_step(st, s, trace.rows[s.step], flight, staging.Chunk("cpu"))
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _walk_pass(trace: TraceData) -> float:
@@ -155,7 +167,8 @@ def _median(fn: Callable[[], Any], reps: int) -> Any:
 
 def measure(trace: TraceData, reps: int) -> dict[str, float]:
     staging.Chunk.load = _host_load  # type: ignore[method-assign]
-    out = {"prepare_us": _median(lambda: _prepare_pass(trace), reps),
+    out = {"prompt_ms": _median(lambda: _prompt_pass(trace), reps),
+           "prepare_us": _median(lambda: _prepare_pass(trace), reps),
            "walk_us": _median(lambda: _walk_pass(trace), reps),
            "first_walk_us": _median(lambda: _first_walk_pass(trace), reps)}
     return out | _median(lambda: _ship_pass(trace), reps)

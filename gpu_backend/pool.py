@@ -121,8 +121,13 @@ def _fused() -> Any:
 
 
 def mod_m(x: np.ndarray) -> np.ndarray:
-    """(x mod M) as float64, the input `content_blocks` takes."""
-    return (np.asarray(x, dtype=np.int64) % _M).astype(np.float64)
+    """(x mod M) as float64, the input `content_blocks` takes. Token ids and positions are
+    almost always in [0, M) already: the check costs 0.7 ms for a million values where int64 %
+    costs 5-9 (a prompts' step at batch 128 x kv 8k has four such arrays)."""
+    x = np.asarray(x, dtype=np.int64)
+    if x.size and (x.min() < 0 or x.max() >= _M):
+        x = x % _M
+    return x.astype(np.float64)
 
 
 def torch_dtype(name: str) -> torch.dtype:

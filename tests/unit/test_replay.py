@@ -62,6 +62,14 @@ def test_content_blocks_are_content_bit_for_bit() -> None:
     assert x[1].isnan().sum() == 0 and x[0].isnan().any()
 
 
+@pytest.mark.parametrize("x", [[0, 5, 1_000_002], [7, 1_000_003, 2_000_007], [-1, 3], []])
+def test_mod_m_is_the_floor_mod(x: list[int]) -> None:
+    # in range it skips the int64 division; a value outside takes it for the whole array
+    a = np.array(x, dtype=np.int64)
+    got = mod_m(a)
+    assert got.dtype == np.float64 and got.tolist() == [v % 1_000_003 for v in x]
+
+
 def test_pool_poison_guards_and_checksum() -> None:
     pool = KVPool(4, 2, 16, 2, 64, torch.bfloat16, "cpu")
     assert pool.data.shape == (8, 2, 16, 2, 64) and torch.isnan(pool.data).all()

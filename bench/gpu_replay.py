@@ -28,7 +28,8 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - whole (`whole`): what a user's replay costs, `replay` on its default path from the call to its
   return: every step (the prompts' too) with everything inside it (the workers' start, the
   preparation, the pool's set-up) against every step's kernels, the median of 3 (`ratio`);
-  `first_gen_ms`: from the call to the first generation step.
+  `first_gen_ms`: from the call to the first generation step. `whole_other`: the same with the
+  other preparation (the loop's own where the default takes workers, else --workers N's).
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
@@ -170,14 +171,15 @@ def kernel_pass(trace: TraceData) -> list[float]:
     return k.kernel_ms()
 
 
-def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3
-               ) -> dict[str, Any]:
+def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3,
+               n: int | None = None) -> dict[str, Any]:
     """What a user's replay costs: `replay` on its default path (workers by
-    `workers.trace_workers`), from the call to its return and a device sync, every step, the
-    prompts' included, with everything inside (the workers' start, every step's preparation,
-    the pool's set-up), against every step's kernels; the median of `reps` passes.
-    `first_gen_ms`: from the call to the first generation step's start (the prompts' step and
-    what the host does before and while it runs)."""
+    `workers.trace_workers`; n: that many instead), from the call to its return and a device
+    sync, every step, the prompts' included, with everything inside (the workers' start, every
+    step's preparation, the pool's set-up), against every step's kernels; the median of `reps`
+    passes. `first_gen_ms`: from the call to the first generation step's start (the prompts'
+    step and what the host does before and while it runs)."""
+    n = workers.trace_workers(trace, "cuda") if n is None else n
     walls, firsts = [], []
     marks: dict[str, float] = {}
 
@@ -188,14 +190,14 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0])
+        replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0], workers=n)
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
         firsts.append((marks["first"] - t0) * 1e3)
     wall, kern = sorted(walls)[len(walls) // 2], sum(kernel_ms)
     return {"wall_ms": wall, "wall_ms_all": walls, "first_gen_ms": sorted(firsts)[reps // 2],
             "kernel_ms": kern, "prompt_kernel_ms": kernel_ms[0], "ratio": wall / kern,
-            "workers": workers.trace_workers(trace, "cuda")}
+            "workers": n}
 
 
 def profile_pass(trace: TraceData, first: int, last: int) -> None:
@@ -345,6 +347,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     ms_all = kernel_pass(trace)
     ms = ms_all[1:]
     whole = whole_pass(trace, first, ms_all)
+    other = 0 if whole["workers"] else WORKERS[0]  # the other path, if the bench has workers
+    whole_other = whole_pass(trace, first, ms_all, n=other) if other != whole["workers"] else None
     ph = phases_pass(trace, first, last) if phases else None
     dev = device_pass(trace, first, last) if device else None
     if profile:
@@ -382,6 +386,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     if par is not None:
         out["workers"] = par | {"ratio_end_to_end": (par["wall_ms_per_step"] +
                                                      par["before_ms_per_step"]) / kern}
+    if whole_other is not None:
+        out["whole_other"] = whole_other
     if ph is not None:
         out["phases_us_per_step"] = ph
     if dev is not None:

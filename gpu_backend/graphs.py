@@ -8,7 +8,7 @@ time. Here such a step costs the host a copy in, one graph launch and a copy out
 
 Which steps: the steady state of a speculative-decoding trace, one FA2 launch over every row
 with one query width W (verify rows), content and truth at the same positions, the reference one
-batched group (`prepare.RefGroup.identity`), no prefix fills, no RoPE overrun, no stale plan, no
+batched group (`refgroups.RefGroup.identity`), no prefix fills, no RoPE overrun, no stale plan, no
 slot copies among the block events. `prepare` stages such a step's inputs one after the other
 (`block`), so the step's copy into the static buffers is two copies (the chunk's int64 and int32
 twins). The variable-length ones (the pages the events touch, the pages the appends target, the
@@ -54,7 +54,7 @@ from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.staging import ALIGN, StepArrays
 
 # the block's fields in order: (field, the step's array staged for it, how the kernels read it:
-# "f" float64, "i" int64, "w" int32); "g0_" is the reference's one group (`prepare.RefGroup`)
+# "f" float64, "i" int64, "w" int32); "g0_" is the reference's one group (`refgroups.RefGroup`)
 _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("tslot", "tslot", "i"), ("true_pos", "true_pos", "i"), ("app_row", "app_row", "w"),
            ("append_pos", "append_pos", "w"), ("qo", "run0_qo", "w"),
@@ -101,7 +101,7 @@ def block(caps: dict[tuple[int, int], Key], b: StepBatch, arrays: dict[str, np.n
     graph's fields are staged first, one after the other (the block `span` names), and return
     its graph key; else None. `caps`: the replay's capacities so far by (rows, W), grown here.
     `ok`: no prefix fill, no RoPE overrun, truth positions == engine's, queries == appends;
-    `groups`: the reference's (`prepare.RefGroup`); `prev`: the step prepared before b;
+    `groups`: the reference's (`refgroups.RefGroup`); `prev`: the step prepared before b;
     `planner`: the replay's device and attention shape, for FA2's plan (`fa2plan`)."""
     R = b.num_rows
     runs = launch_runs(b)

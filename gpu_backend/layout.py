@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu_backend.intsets import member
 from sim.errors import TraceError
 from sim.trace.records import RowRecord, StepRecord
 
@@ -202,33 +203,6 @@ def _flat(lists: Iterable[tuple[int, ...]], count: int = -1) -> np.ndarray:
     chain walks the tuples in C: a nested generator expression took ~1 ms a step at batch 64,
     kv 2k (two lists per row)."""
     return np.fromiter(chain.from_iterable(lists), np.int64, count)
-
-
-def unique(x: np.ndarray) -> np.ndarray:
-    """np.unique of an integer array, by a sort: numpy 2.4's hashing np.unique took 0.7 ms for
-    8k page ids that sort in 0.04 ms, and 22 µs for 300 (4 here) on a development machine. A
-    long array loses its runs first (a page's tokens come one after another: a prompts' step's
-    131k write targets are ~8k runs)."""
-    if len(x) > 4096:
-        x = x[_starts(x)]
-    s = np.sort(x)
-    return s[_starts(s)] if len(s) > 1 else s
-
-
-def _starts(x: np.ndarray) -> np.ndarray:
-    """Where a run of equal values starts (x not empty)."""
-    keep = np.empty(len(x), dtype=bool)
-    keep[0] = True
-    np.not_equal(x[1:], x[:-1], out=keep[1:])
-    return keep
-
-
-def member(x: np.ndarray, sorted_keys: np.ndarray) -> np.ndarray:
-    """np.isin(x, sorted_keys) for sorted keys: one binary search per value, no sort of both."""
-    if not len(sorted_keys):
-        return np.zeros(len(x), dtype=bool)
-    i = np.minimum(np.searchsorted(sorted_keys, x), len(sorted_keys) - 1)
-    return sorted_keys[i] == x
 
 
 def _block_table(c: Columns, guard: int) -> np.ndarray:

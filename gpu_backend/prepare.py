@@ -5,7 +5,7 @@ device work (pure numpy) and staged in chunks of steps, one pinned upload each:
 - the flat kernel inputs (`layout.build_step`, with the shared blocks from the events' refcounts);
 - the truth store's slots (admission, release) and prefix fills;
 - the content inputs (token and position mod M as float64, the RoPE-overrun NaN mask);
-- the fp32 reference's index arrays (`RefGroup`), the rewind's pool rows.
+- the fp32 reference's index arrays (`refgroups.RefGroup`), the rewind's pool rows.
 
 The step loop (`driver.replay`) then only launches device work: no numpy, no host-device syncs.
 """
@@ -24,8 +24,10 @@ from gpu_backend import graphs
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
-from gpu_backend.layout import StepBatch, build_step, member, run_arrays, unique
+from gpu_backend.intsets import member, unique
+from gpu_backend.layout import StepBatch, build_step, run_arrays
 from gpu_backend.pool import mod_m
+from gpu_backend.refgroups import RefGroup, ref_groups
 from gpu_backend.staging import Chunk, StepArrays, stage
 from gpu_backend.tracedata import TraceData
 from sim.errors import TraceError
@@ -38,23 +40,6 @@ CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host mem
 # measured so far) that only hides the device's share: a wash end to end on the H200 (docs/gpu.md
 # round 11); it pays once preparation is faster than the device
 CHUNK_STEPS = 8
-
-
-@dataclass(frozen=True)
-class RefGroup:
-    """Rows whose fp32 reference is one batched attention: R rows x W queries over L keys.
-    s0 >= 0: their truth slots are s0.. s0+R-1 (views, no gather). Keys below `lo` are visible
-    to every query (only [lo, L) is masked). identity: the group is the whole step in token
-    order (q and the output need no gather); else `span` = (start, stop) when its tokens are one
-    contiguous run in order, or None (index arrays `{pre}src`/`{pre}dst`)."""
-    pre: str
-    R: int
-    W: int
-    L: int
-    s0: int
-    lo: int
-    identity: bool
-    span: tuple[int, int] | None
 
 
 @dataclass
@@ -193,7 +178,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     if len(wpages):
         arrays["wpages"] = wpages
     eng_nan, same = _content_arrays(st, b, arrays)
-    groups = _ref_groups(b, slots, arrays)
+    groups = ref_groups(b, slots, arrays)
     q_identity = b.num_tokens == len(b.app_tokens)
     graph = graphs.block(st.graph_caps, b, arrays, ops, wpages, wcheck, st.prev_step,
                          not fill and not eng_nan and same and q_identity, groups, st.graphs) \
@@ -365,63 +350,3 @@ def _content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
     if not same:
         arrays |= {"tok_m": mod_m(b.tokens), "true_pos_m": mod_m(b.true_pos)}
     return bool(over.any()), same
-
-
-def _ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
-                fast: bool = True) -> list[RefGroup]:
-    """The reference's batches: the gen rows in one group, each ctx row alone (as before).
-    fast: a step of equal-width gen rows takes `_identity_group` (the general path is its
-    oracle in tests)."""
-    if fast and not b.is_ctx.any() and b.num_rows and b.q_len[0] > 0 and \
-            (b.q_len == b.q_len[0]).all():
-        return [_identity_group(b, slots, arrays)]
-    gen = np.flatnonzero(~b.is_ctx)
-    rows_of = ([gen] if gen.size else []) + [np.array([i]) for i in np.flatnonzero(b.is_ctx)]
-    out = []
-    for g, rows in enumerate(rows_of):
-        pre = f"g{g}_"
-        if fast and len(rows) == 1 and b.q_len[rows[0]] > 0:
-            out.append(_single_row_group(b, int(rows[0]), slots, arrays, pre))
-            continue
-        ql = b.q_len[rows]
-        W = int(ql.max())
-        j = np.arange(W)
-        vr, vj = np.nonzero(j[None, :] < ql[:, None])
-        sl = slots[rows]
-        consecutive = sl.size == 1 or bool(np.all(np.diff(sl) == 1))
-        tok = b.qo_indptr[rows][:, None] + np.minimum(j[None, :], ql[:, None] - 1)
-        limit = b.committed[rows][:, None] + j[None, :]
-        dst, src = tok[vr, vj], vr * W + vj
-        identity = len(rows) == b.num_rows and bool(np.all(ql == W))
-        run = bool(np.all(src == np.arange(len(src))) and np.all(np.diff(dst) == 1))
-        arrays |= {pre + "limit": limit, pre + "tok": tok, pre + "slots": sl}
-        if not run:
-            arrays |= {pre + "src": src, pre + "dst": dst}
-        out.append(RefGroup(pre, len(rows), W, int((b.committed[rows] + ql).max()),
-                            int(sl[0]) if consecutive else -1, int(limit.min()) + 1, identity,
-                            (int(dst[0]), int(dst[-1]) + 1) if run else None))
-    return out
-
-
-def _single_row_group(b: StepBatch, r: int, slots: np.ndarray, arrays: dict[str, np.ndarray],
-                      pre: str) -> RefGroup:
-    """`_ref_groups`' group of row r alone (a context row): its W queries are tokens
-    qo[r] .. qo[r] + W - 1 in order, query j sees keys up to committed + j. A prompts' step has
-    one per row: the general arithmetic took ~55 µs a row on a development machine."""
-    W, c, q0 = int(b.q_len[r]), int(b.committed[r]), int(b.qo_indptr[r])
-    j = np.arange(W, dtype=np.int64)
-    arrays |= {pre + "limit": (c + j)[None, :], pre + "tok": (q0 + j)[None, :],
-               pre + "slots": slots[r: r + 1]}
-    return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W))
-
-
-def _identity_group(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray]) -> RefGroup:
-    """`_ref_groups` of a step of gen rows all W wide (the steady MTP step) without its general
-    index arithmetic: the group is the step in token order, token (r, j) at r * W + j."""
-    R, W = b.num_rows, int(b.q_len[0])
-    j = np.arange(W)
-    limit = b.committed[:, None] + j[None, :]
-    consecutive = R == 1 or bool((np.diff(slots) == 1).all())
-    arrays |= {"g0_limit": limit, "g0_tok": np.arange(R * W).reshape(R, W), "g0_slots": slots}
-    return RefGroup("g0_", R, W, int(b.committed.max()) + W, int(slots[0]) if consecutive else -1,
-                    int(limit.min()) + 1, True, (0, R * W))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from replay_traces import SCENARIOS, big_verify
 
-from gpu_backend import prepare, tracedata
+from gpu_backend import prepare, refgroups, tracedata
 from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import build_step, columns
@@ -138,9 +138,9 @@ def test_the_columns_of_rows_out_of_table_order_are_gathered(trace: TraceData) -
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_the_fast_groups_are_the_general_ones(tmp_path: Path, name: str) -> None:
-    """`prepare._identity_group` (steady steps of equal-width gen rows) and
-    `prepare._single_row_group` (a context row) give the arrays and the groups the general
-    `_ref_groups` gives, on every scenario step they take."""
+    """`refgroups._identity_group` (steady steps of equal-width gen rows) and
+    `refgroups._single_row_group` (a context row) give the arrays and the groups the general
+    `ref_groups` gives, on every scenario step they take."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     taken = ctx = 0
     for s in t.steps:
@@ -150,8 +150,8 @@ def test_the_fast_groups_are_the_general_ones(tmp_path: Path, name: str) -> None
         slots = np.arange(3, 3 + b.num_rows, dtype=np.int64)[::-1 if s.step % 2 else 1].copy()
         fast: dict[str, np.ndarray] = {}
         slow: dict[str, np.ndarray] = {}
-        got = prepare._ref_groups(b, slots, fast)
-        assert got == prepare._ref_groups(b, slots, slow, fast=False)
+        got = refgroups.ref_groups(b, slots, fast)
+        assert got == refgroups.ref_groups(b, slots, slow, fast=False)
         assert list(fast) == list(slow)
         assert all(fast[k].dtype == slow[k].dtype and fast[k].tolist() == slow[k].tolist()
                    for k in fast)

@@ -213,10 +213,20 @@ def test_a_plan_for_another_width_is_refused_as_flashinfer_does(tmp_path: Path, 
 
 @given(st.lists(st.integers(-5, 40), max_size=30), st.lists(st.integers(-5, 40), max_size=30))
 def test_member_is_isin_on_sorted_keys(xs: list[int], keys: list[int]) -> None:
-    from gpu_backend.layout import member
+    from gpu_backend.intsets import member
 
     x, k = np.array(xs, dtype=np.int64), np.sort(np.array(keys, dtype=np.int64))
     assert member(x, k).tolist() == np.isin(x, k).tolist()
+
+
+@given(st.lists(st.integers(-5, 40), max_size=30), st.integers(1, 700))
+def test_unique_is_np_unique(xs: list[int], repeat: int) -> None:
+    # repeated in runs past 4096 values: the runs are collapsed before the sort
+    from gpu_backend.intsets import unique
+
+    x = np.repeat(np.array(xs, dtype=np.int64), repeat)
+    got = unique(x)
+    assert got.dtype == np.int64 and got.tolist() == np.unique(x).tolist()
 
 
 

@@ -73,9 +73,11 @@ def flatten(q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
                 page = alloc[min(p0 + blk, len(alloc) - 1)]
             page = page + guard if page >= 0 else -1
             if page >= 0 and blk >= lead[r] and not _has(shared, page - guard):
-                if n_mine == 0 or mine[n_mine - 1] != page:  # a page's tokens come in a run:
-                    mine[n_mine] = page  # the unique below sorts a page count, not a token
-                    n_mine += 1  # count (3.7 -> ms for a 64 x 2k prompts' step)
+                # a page's tokens come in a run: the unique below sorts ~a page count, not a
+                # token count (this pass 3.7 -> 1.7 ms for a 64 x 2k prompts' step here)
+                if n_mine == 0 or mine[n_mine - 1] != page:
+                    mine[n_mine] = page
+                    n_mine += 1
                 write_ok[a] = eng[a] == page
             if not write_ok[a] and eng[a] >= 0:
                 write_ok[a] = _owns(alloc, p0, alloc_len[r], lead[r], shared, eng[a] - guard)

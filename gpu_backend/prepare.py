@@ -115,10 +115,10 @@ def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
 def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str,
                    workers: int = 0) -> Generator[Prepared, None, None]:
     """The trace's steps with rows, prepared and staged a chunk at a time, one chunk ahead: once
-    the first chunk is staged, every step handed out follows the preparation of one step of the
-    next chunk. The host's preparation is spread between the steps the device runs, instead of
-    stalling it a whole chunk at a time. workers > 0: prepared by that many worker processes
-    (`gpu_backend.workers`), the same steps."""
+    a chunk is staged, every step handed out follows the preparation of one step of the next
+    chunk; the first chunks are small (`ramp`). The host's preparation is spread between the
+    steps the device runs, instead of stalling it a whole chunk at a time. workers > 0:
+    prepared by that many worker processes (`gpu_backend.workers`), the same steps."""
     if workers > 0:
         from gpu_backend.workers import worker_steps
 

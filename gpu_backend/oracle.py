@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from gpu_backend.layout import StepBatch
-from gpu_backend.prepare import RefGroup
+from gpu_backend.refgroups import RefGroup
 from gpu_backend.staging import StepArrays
 
 OK, MISMATCH, NAN, CORRUPT, FAULT = 0, 1, 2, 3, 4
@@ -40,8 +40,30 @@ def _refattn() -> ModuleType | None:
     return refattn
 
 
+SCORES_BYTES = 1 << 28  # fp32 scores `attend` holds at once; past it, rows (then queries) go in
+# parts: a prompts' step of 64 x 2k queries over 2k keys needed 34.5 GB in one piece, and the
+# reference backend stopped on it with the CPU out of memory
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
            lo: int = 0) -> torch.Tensor:
+    """`_attend` in parts of at most SCORES_BYTES of scores: rows, and a row's queries when one
+    row is over it (each query's softmax is its own, so the parts' outputs are the whole's)."""
+    R, W, Hq, _ = q.shape
+    per_query = Hq * k.shape[2] * 4
+    if R * W * per_query <= SCORES_BYTES or R * W == 1:
+        return _attend(q, k, v, limit, lo)
+    if R > 1:
+        n = max(SCORES_BYTES // (W * per_query), 1)
+        return torch.cat([attend(q[i:i + n], k[i:i + n], v[i:i + n], limit[i:i + n], lo)
+                          for i in range(0, R, n)])
+    n = max(SCORES_BYTES // per_query, 1)
+    return torch.cat([_attend(q[:, j:j + n], k, v, limit[:, j:j + n], lo)
+                      for j in range(0, W, n)], dim=1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
+            lo: int = 0) -> torch.Tensor:
     """Softmax attention in fp32 with a per-query key limit (key i visible iff i <= limit).
 
     Args: q [R, W, Hq, D]; k, v [R, Hkv, L, D] (HND: (r, h) flattens into one matmul batch with

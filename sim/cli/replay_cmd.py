@@ -91,9 +91,14 @@ def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch:
     try:
         return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch, graphs=graphs,
                           workers=workers)
-    except RuntimeError as e:  # a CUDA fault: the context is gone, say where and how to go on
-        raise KvsimError(f"device fault during step {current['step']} ({str(e)[:200]}); "
-                         "rerun with --isolate to attribute it and carry on") from None
+    except RuntimeError as e:
+        where = f"during step {current['step']} ({str(e)[:200]})"
+        if "out of memory" in str(e) or "allocate memory" in str(e):  # torch's, GPU or CPU
+            raise KvsimError(f"out of memory {where}: the step's arrays do not fit "
+                             f"({backend} backend)") from None
+        # a CUDA fault: the context is gone, say where and how to go on
+        raise KvsimError(f"device fault {where}; rerun with --isolate to attribute it and "
+                         "carry on") from None
 
 
 def _reexec_sanitized() -> None:

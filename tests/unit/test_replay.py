@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -60,6 +61,24 @@ def test_content_blocks_are_content_bit_for_bit() -> None:
     q = x[2:].permute(1, 0, 2, 3).reshape(5, 4, 64)
     torch.testing.assert_close(q, content(T, P, 2, 4, 64, torch.bfloat16, rope_rows=64), **same)
     assert x[1].isnan().sum() == 0 and x[0].isnan().any()
+
+
+@pytest.mark.parametrize("queries", [10, 3])  # a row a part; three queries a part
+def test_attend_in_parts_is_attend_whole(monkeypatch: pytest.MonkeyPatch, queries: int) -> None:
+    from gpu_backend import oracle
+
+    g = torch.Generator().manual_seed(queries)
+    R, W, Hq, Hkv, D, L = 3, 10, 4, 2, 8, 16
+    q = torch.rand(R, W, Hq, D, generator=g).bfloat16()
+    k, v = (torch.rand(R, Hkv, L, D, generator=g).bfloat16() for _ in "kv")
+    limit = torch.tensor([2, 6, 5])[:, None] + torch.arange(W)[None, :]  # row 1 reaches L - 1
+    whole = oracle.attend(q, k, v, limit, 3)
+    monkeypatch.setattr(oracle, "SCORES_BYTES", queries * Hq * L * 4)
+    got = oracle.attend(q, k, v, limit, 3)
+    if queries == W:  # whole rows: the same products, the same bits
+        assert torch.equal(got, whole)
+    else:  # the CPU's matmul blocks fewer queries differently: rounding only
+        torch.testing.assert_close(got, whole, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("x", [[0, 5, 1_000_002], [7, 1_000_003, 2_000_007], [-1, 3], []])
@@ -152,6 +171,26 @@ def test_cli_prepare_workers(tmp_path: Path) -> None:
     assert rows[0] == rows[1]
     p = _cli(str(bad), "--backend", "reference", "--prepare-workers", "-1")
     assert p.returncode == 2 and "Traceback" not in p.stderr + p.stdout
+
+
+@pytest.mark.parametrize(("error", "says"), [
+    ("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
+     "to allocate 34527715328 bytes", "out of memory during step 3 ("),
+    ("CUDA error: an illegal memory access was encountered", "device fault during step 3 (")])
+def test_cli_tells_out_of_memory_from_a_device_fault(monkeypatch: pytest.MonkeyPatch,
+                                                     error: str, says: str) -> None:
+    from gpu_backend import run
+    from sim.cli import replay_cmd
+    from sim.errors import KvsimError
+
+    def fails(*a: object, on_step: Any, **kw: object) -> None:
+        on_step(3, "start")
+        raise RuntimeError(error)
+
+    monkeypatch.setattr(run, "run_replay", fails)
+    with pytest.raises(KvsimError) as e:
+        replay_cmd._run(ROOT, "reference", False, None, "incremental", True, None)
+    assert says in str(e.value) and ("--isolate" in str(e.value)) == says.startswith("device")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from replay_traces import EXPECTED, SCENARIOS, _two
 
+from gpu_backend import pool as pool_module
 from gpu_backend.isolate import replay_isolated
 from gpu_backend.layout import build_step, launch_runs, stale_plan
 from gpu_backend.oracle import DEFAULT_TOL, MISMATCH, NAN, OK, verdicts
@@ -47,8 +48,11 @@ def test_content_is_deterministic_and_position_sensitive() -> None:
     assert a.abs().max() <= 1.0
 
 
-def test_content_blocks_are_content_bit_for_bit() -> None:
+@pytest.mark.parametrize("part", [1 << 14, 2])  # whole, or in parts of two tokens
+def test_content_blocks_are_content_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
+                                                part: int) -> None:
     # one float64 pass for K, V and Q (the replay's) == the int64 definition, RoPE NaN included
+    monkeypatch.setattr(pool_module, "_TOKENS_AT_ONCE", part)
     t, p = np.array([7, 30011, 5, 1_000_010, 0]), np.array([3, 2047, 70, 9, 1_000_003])
     T, P = torch.as_tensor(t), torch.as_tensor(p)
     nan = torch.zeros((4, 5, 1, 1), dtype=torch.bool)  # K and Q blocks past a 64-row table

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_backend import prepare, slots
+from gpu_backend import forks, prepare, slots
 from gpu_backend.events import InFlight, in_flight_poison
 from gpu_backend.layout import build_step
 from gpu_backend.prepare import HostState, Prepared
@@ -107,24 +107,29 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
         fa2plan.warm()
     ctx = mp.get_context("fork")
     links: list[_Link] = []
-    procs = []
+    proc = None
+    t1 = time.perf_counter()
+    _spend(state.timing, "start: warm", t1 - t0)
     try:
-        for w in range(workers):
+        sends = []
+        for _ in range(workers):
             recv, send = ctx.Pipe(duplex=False)
             _widen(send.fileno())
             ring = slots.Ring(ctx)
-            proc = ctx.Process(target=_work,
-                               args=(state, flight, steps, w, workers, _Link(send, ring)),
-                               daemon=True, name=f"kvsim-prepare-{w}")
-            proc.start()
-            send.close()
             links.append(_Link(recv, ring))
-            procs.append(proc)
+            sends.append(_Link(send, ring))
+        t2 = time.perf_counter()
+        proc = forks.start(ctx, _work, [(state, flight, steps, w, workers, x)
+                                        for w, x in enumerate(sends)], [x.conn for x in sends])
+        t3 = time.perf_counter()
+        for x in sends:
+            x.conn.close()
         if torch.device(device).type == "cuda":
             for link in links:
                 link.ring.pin = slots.Pinned(link.ring.mem)
                 state.cleanup.append(link.ring.pin.undo)
         state.start_seconds = time.perf_counter() - t0
+        _spend(state.timing, "start: rings", t2 - t1, "start: fork", t3 - t2)
         state.seconds += state.start_seconds
         yield from _in_order(trace, state, device, steps, links, flight)
         for link in links:  # each worker's time, sent after its last chunk
@@ -134,10 +139,8 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
                 msg = ("", {})
             _spend(state.timing, *(x for kv in msg[1].items() for x in kv))
     finally:
-        for proc in procs:
-            proc.kill()
-        for proc in procs:
-            proc.join()
+        if proc is not None:
+            forks.stop(proc)
         for link in links:  # a ring's mapping goes with the last step viewing its slots
             link.conn.close()
 

@@ -6,6 +6,7 @@ closing early leaves no process behind."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -210,9 +211,23 @@ def test_closing_early_stops_the_workers(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setattr(prepare, "CHUNK_STEPS", 2)
     it = prepared_steps(t, _state(t), "cpu", 3)
     next(it)
-    assert len(mp.active_children()) == 3
+    (forker,) = mp.active_children()
+    pids = _children(forker.pid)
+    assert len(pids) == 3
     it.close()
     assert not mp.active_children()
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()]  # killed and reaped
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is pid (Linux's /proc)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
 
 
 def test_workers_by_default_only_on_a_gpu_host_with_cores_for_a_long_trace(

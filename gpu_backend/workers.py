@@ -21,8 +21,9 @@ which CUDA has page-locked, and gives the slot back once the chunk's steps are a
 
 Each worker grows its own graph capacities (`HostState.graph_caps`), so N workers can ask for a
 few more CUDA graphs than one process would; the arrays, events and verdicts are the same
-(tests/unit/test_workers.py). The workers are forked: they inherit the loaded trace and never
-touch CUDA (staging in a worker is numpy only).
+(tests/unit/test_workers.py). The workers are forked, by one process the loop forks
+(`gpu_backend.forks`): they inherit the loaded trace and never touch CUDA (staging in a worker
+is numpy only).
 """
 
 from __future__ import annotations
@@ -54,23 +55,29 @@ from sim.trace.records import StepRecord
 _REST = [f.name for f in fields(Prepared)][4:]
 
 
-MIN_STEPS = 64  # shorter traces prepare on the loop's thread by default (`default_workers`)
-MAX_KV = 3 << 18  # ... and so do traces whose steps read more K/V tokens than this (median):
-# 64 x 8k (~532k) takes workers, 128 x 8k (~1.06M) does not
+MIN_STEPS = 256  # shorter traces prepare on the loop's thread by default (`default_workers`)
+MAX_KV = 1 << 18  # ... and so do traces whose steps read more K/V tokens than this (median):
+# 64 x 2k (~131k) takes workers, 64 x 4k (~265k) and 64 x 8k (~532k) do not
 
 
 def default_workers(device: torch.device | str, steps: int, kv_tokens: int = 0) -> int:
     """Workers a replay on `device` of `steps` steps reading a median of `kv_tokens` K/V tokens
     a step uses unless told: 4 on a CUDA host with the cores for them (two left to the loop and
-    the driver's threads; 8 were slower than 4 on the H200's host), else none. None also on a
-    CPU (the reference backend's torch needs those cores), for a trace under MIN_STEPS steps
-    (the workers' start and their walk over the prompt step's events cost more than they save:
-    12-step traces were 1.2-1.8x slower end to end with them on the H200) and for steps over
-    MAX_KV tokens, where the device's step is long enough to hide the loop's own preparation
-    and receiving the workers' chunks costs more: at 128 x kv 8k 2.19-2.56x against 2.13-2.16
-    (16 passes of rounds 14-15 on the H200). At 64 x 8k workers gave 2.27-2.71x (median 2.32)
-    against 2.17-3.76 (median 2.51, two passes of 16 at 3x or more), and at 64 x 2k 2.6-5.0x
-    against 4.6-9.2 (docs/gpu.md rounds 13-15)."""
+    the driver's threads; 8 were slower than 4 on the H200's host), else none. None on a CPU
+    (the reference backend's torch needs those cores), and none where the loop's own
+    preparation finishes the whole replay sooner (the H200, round 19: `replay` from the call to
+    its return, both ways in one run each). The workers cost it a fixed 70-120 ms (their start,
+    and the pages the loop then copies as it writes: a fork shares them) and save the loop's
+    own preparation, 0.85 ms a step on that host, where it is longer than the device's step:
+    - at 64 x 2k they finished first from ~256 steps on (ms, workers against the loop's own:
+      96 steps 158-201 / 105-168; 128: 203 / 192; 192: 243-246 / 252-267; 256: 252-260 /
+      212-306; 384: 376 / 497), hence MIN_STEPS;
+    - at 64 x 4k the loop's own was faster at 96 and 256 steps (312 / 259, 406 / 378), and at
+      64 x 8k, whose device step hides the loop's own preparation, at every length (96 steps
+      572 / 426, 256: 791 / 654), hence MAX_KV.
+    Left out of this choice: the generation steps' figure alone (the workers' start and the
+    prompts' step not counted), for which workers were faster at 64 x 2k from 96 steps on
+    (2.7x the kernels against 4-8x, docs/gpu.md rounds 13-18)."""
     cores = os.cpu_count() or 1
     if torch.device(device).type != "cuda" or steps < MIN_STEPS or kv_tokens > MAX_KV \
             or cores < 6:

@@ -46,11 +46,12 @@ def register(app: typer.Typer) -> None:
                                    "on the H200 (docs/gpu.md round 10)"),
         prepare_workers: int | None = typer.Option(
             None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
-            "(default: 4 on a GPU host with 6 cores or more for a trace of 64 steps or more "
-            "whose steps read at most 786,432 K/V tokens, else 0 = the loop prepares them "
-            "itself). The same verdicts; where preparing a step costs the host more than the "
-            "device's step (batch 64 x kv 2k) they make the replay 1.6-2x faster, where it "
-            "costs less (128 x kv 8k) a few percent slower (docs/gpu.md rounds 13-15)"),
+            "(default: 4 on a GPU host with 6 cores or more for a trace of 256 steps or more "
+            "whose steps read at most 262,144 K/V tokens, else 0 = the loop prepares them "
+            "itself). The same verdicts; they cost a fixed ~0.1 s and save the host's "
+            "preparation where it is longer than the device's step: a 384-step replay at batch "
+            "64 x kv 2k took 0.76x the time with them on the H200, a 96-step one 1.2-1.5x, and "
+            "at 64 x kv 8k they were slower at every length (docs/gpu.md round 19)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()

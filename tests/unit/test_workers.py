@@ -236,9 +236,12 @@ def test_workers_by_default_only_on_a_gpu_host_with_cores_for_a_long_trace(
     assert workers.default_workers("cpu", 1000) == 0
     assert workers.default_workers("cuda", 1000, 64 * 2048) == 4
     assert workers.default_workers("cuda", workers.MIN_STEPS - 1) == 0
-    # the sweep's sizes as the H200 measured them (rounds 14-15): workers up to 64 x 8k, where
-    # they were the steadier way; at 128 x 8k the loop's own preparation was faster
-    assert workers.default_workers("cuda", 1000, 532_189) == 4  # 64 x 8k, 96 steps
+    # the sweep's sizes as the H200 measured them (round 19, the whole replay): workers for long
+    # traces at 64 x 2k; at 64 x 4k and larger the loop's own preparation was faster
+    assert workers.default_workers("cuda", 256, 64 * (2048 + 128)) == 4  # 64 x 2k, 256 steps
+    assert workers.default_workers("cuda", 96, 64 * (2048 + 48)) == 0  # 64 x 2k, 96 steps
+    assert workers.default_workers("cuda", 1000, 64 * (4096 + 48)) == 0  # 64 x 4k
+    assert workers.default_workers("cuda", 1000, 532_189) == 0  # 64 x 8k, 96 steps
     assert workers.default_workers("cuda", 1000, 1_064_379) == 0  # 128 x 8k
     monkeypatch.setattr(os, "cpu_count", lambda: 5)
     assert workers.default_workers("cuda", 1000) == 0

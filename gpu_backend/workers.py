@@ -66,7 +66,7 @@ def default_workers(device: torch.device | str, steps: int, kv_tokens: int = 0) 
     the driver's threads; 8 were slower than 4 on the H200's host), else none. None on a CPU
     (the reference backend's torch needs those cores), and none where the loop's own
     preparation finishes the whole replay sooner (the H200, round 19: `replay` from the call to
-    its return, both ways in one run each). The workers cost it a fixed 70-120 ms (their start,
+    its return, both ways in one run each). The workers cost it a fixed 66-119 ms (their start,
     and the pages the loop then copies as it writes: a fork shares them) and save the loop's
     own preparation, 0.85 ms a step on that host, where it is longer than the device's step:
     - at 64 x 2k they finished first from ~256 steps on (ms, workers against the loop's own:

@@ -126,18 +126,7 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
     out: torch.Tensor | None = None
     for g in groups:
         pre = g.pre
-        # a group whose tokens are one run in order, unpadded (the steady step; a prompt's row):
-        # its queries and its output are views of the step's, no gather and no copy (a prompts'
-        # step at 64 x 2k gathered and copied ~2.4 ms of its ~29 on the H200, round 18)
-        a, z = (0, n) if g.identity else g.span or (0, -1)
-        whole = z - a == g.R * g.W
-        qg = q[a:z].view(g.R, g.W, Hq, D) if whole else q[dv[pre + "tok"]]
-        if fused is not None and whole and not g.identity:
-            out = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device) \
-                if out is None else out
-            fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L,
-                         out[a:z].view(g.R, g.W, Hq, D))
-            continue
+        qg = q.view(g.R, g.W, Hq, D) if g.identity else q[dv[pre + "tok"]]
         if fused is not None:
             o = fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L)
         else:  # consecutive slots: views, no gather

@@ -178,9 +178,11 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     sync, every step, the prompts' included, with everything inside (the workers' start, every
     step's preparation, the pool's set-up), against every step's kernels; the median of `reps`
     passes. `first_gen_ms`: from the call to the first generation step's start (the prompts'
-    step and what the host does before and while it runs)."""
+    step and what the host does before and while it runs). `prepared_ahead`: the steps the
+    loop's own preparation got ahead while it would have waited for the device (`driver.Ahead`),
+    per pass."""
     n = workers.trace_workers(trace, "cuda") if n is None else n
-    walls, firsts = [], []
+    walls, firsts, ahead = [], [], []
     marks: dict[str, float] = {}
 
     def on_step(step: int, what: str) -> None:
@@ -190,14 +192,15 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0], workers=n)
+        res = replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0], workers=n)
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
         firsts.append((marks["first"] - t0) * 1e3)
+        ahead.append(res.stats.get("prepared_ahead", 0))
     wall, kern = sorted(walls)[len(walls) // 2], sum(kernel_ms)
     return {"wall_ms": wall, "wall_ms_all": walls, "first_gen_ms": sorted(firsts)[reps // 2],
             "kernel_ms": kern, "prompt_kernel_ms": kernel_ms[0], "ratio": wall / kern,
-            "workers": n}
+            "workers": n, "prepared_ahead": ahead}
 
 
 def profile_pass(trace: TraceData, first: int, last: int) -> None:

@@ -20,7 +20,8 @@ device's per-token errors and moved pages are copied back every EARLY steps, beh
 work, and turned into verdicts on the host (`oracle.judge`) once they have arrived, while the
 device runs the steps after them; with more than LEAD read-backs on their way the host waits for
 the oldest. The host waits for all of it every FLUSH steps, after FLUSH_TOKENS query tokens (a
-long prompt step) and at the end.
+long prompt step) and at the end. Before either wait, the loop's own preparation gets ahead by
+as many steps as the device's work lets it (`Ahead`, at most BANK).
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ FLUSH = 256  # steps between waits for every read-back (one host-device sync eac
 # right after it, not inside the next 255 steps (bench/gpu_replay.py times those: at batch 64 x
 # kv 8,192 the prompt step's 524k tokens cost ~20 ms of host inside the 12 steps it timed)
 FLUSH_TOKENS = 1 << 16
+BANK = 128  # steps the loop's own preparation may get ahead while the host would wait for the
+# device (`Ahead`): a long step's device time (the prompts' step, ~29 ms at batch 64 x kv 2k on
+# the H200) then goes to preparing the steps after it instead of to a sync
 
 
 class KernelFault(Exception):
@@ -143,13 +147,16 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     res.watch = watch.name
     with closing(prepared_steps(trace, state, device, workers)) as steps:  # stops the workers
         try:
-            _loop(trace, kernels, pool, truth, watch, graphs, steps, res, skip, on_step)
+            # a worker's chunk may wait for slots the loop frees as it judges: no bank there
+            ahead = Ahead(steps, 0 if workers else BANK)
+            _loop(trace, kernels, pool, truth, watch, graphs, ahead, res, skip, on_step)
         finally:  # what the preparation left to undo once the device is done with it (the
             # workers' slots registered with CUDA), outside the timed steps
             for undo in state.cleanup:
                 undo()
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     res.stats["prepare_workers"] = workers
+    res.stats["prepared_ahead"] = ahead.pulled
     res.stats["prepare_start_s"] = state.start_seconds
     res.stats["prepare_timing_s"] = state.timing
     stats = getattr(kernels, "stats", None)
@@ -160,17 +167,42 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     return res
 
 
+class Ahead:
+    """The prepared steps in order, some pulled ahead of the loop (at most `bank`) while the
+    host would otherwise wait for the device (`fill`)."""
+
+    def __init__(self, steps: Iterator[Prepared], bank: int):
+        self.steps, self.bank = steps, bank
+        self.banked: deque[Prepared] = deque()
+        self.pulled = 0  # steps prepared ahead in all
+
+    def next(self) -> Prepared | None:
+        return self.banked.popleft() if self.banked else next(self.steps, None)
+
+    def fill(self, busy: torch.cuda.Event | None) -> None:
+        """Prepare steps until the device has done the work before `busy` (None: no device
+        work to wait for) or the bank is full. Past the event by one step's preparation at
+        most."""
+        while busy is not None and len(self.banked) < self.bank and not busy.query():
+            p = next(self.steps, None)
+            if p is None:
+                return
+            self.banked.append(p)
+            self.pulled += 1
+
+
 def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, watch: Watch,
-          graphs: StepGraphs | None, steps: Iterator[Prepared],
+          graphs: StepGraphs | None, steps: Ahead,
           res: ReplayResult, skip: dict[int, str],
           on_step: Callable[[int, str], None] | None) -> None:
-    """Every prepared step: queue its device work, read back and judge the steps before it."""
+    """Every prepared step: queue its device work, read back and judge the steps before it.
+    Where the host would wait for the device, it prepares steps ahead instead (`Ahead`)."""
     pending: list[Pending] = []
     sent: deque[Sent] = deque()
     tokens = since = 0
-    nxt = next(steps, None)
+    nxt = steps.next()
     while nxt is not None:
-        p, nxt = nxt, next(steps, None)  # the next step's touched pages are checked ahead
+        p, nxt = nxt, steps.next()  # the next step's touched pages are checked ahead
         if on_step:
             on_step(p.step.step, "start")
         pending.append(_graph_step(graphs, pool, p, nxt, watch)
@@ -184,9 +216,12 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
         if graphs is not None and nxt is not None:
             graphs.ahead(nxt)  # while the device runs p (and a settle below waits for it)
         if settle:
+            steps.fill(sent[-1].ready if sent else None)
             _settle(res, sent, watch)
             tokens = since = 0
         else:
+            if len(sent) > LEAD:
+                steps.fill(sent[0].ready)
             _drain(res, sent, watch, LEAD)
         if on_step:
             on_step(p.step.step, "done")

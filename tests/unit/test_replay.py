@@ -394,3 +394,39 @@ def test_the_host_waits_for_the_oldest_read_back_beyond_the_lead(
     assert waits == judged == [0, 1, 2] and len(sent) == 2
     driver._drain(None, sent, None, 2)  # type: ignore[arg-type]
     assert judged == [0, 1, 2]  # within the lead, nothing arrived: no wait
+
+
+class _Busy:
+    """A device event that fires after `left` queries."""
+
+    def __init__(self, left: int):
+        self.left = left
+
+    def query(self) -> bool:
+        self.left -= 1
+        return self.left < 0
+
+
+@pytest.mark.parametrize(("busy", "bank", "banked"), [(3, 8, 3), (50, 4, 4), (50, 8, 6),
+                                                     (3, 0, 0)])
+def test_the_loop_prepares_ahead_while_the_device_is_busy(busy: int, bank: int,
+                                                         banked: int) -> None:
+    """`driver.Ahead` pulls steps while the awaited event has not fired, up to its bank and
+    the trace's end, and hands every step out once, in order."""
+    from gpu_backend import driver
+
+    pulled: list[int] = []
+
+    def steps() -> Any:
+        for i in range(7):
+            pulled.append(i)
+            yield i
+
+    ahead = driver.Ahead(steps(), bank)  # type: ignore[arg-type]
+    assert ahead.next() == 0
+    ahead.fill(_Busy(busy))  # type: ignore[arg-type]
+    assert len(ahead.banked) == ahead.pulled == banked and len(pulled) == 1 + banked
+    ahead.fill(None)  # nothing to wait for: nothing pulled
+    assert len(pulled) == 1 + banked
+    got = [ahead.next() for _ in range(7)]
+    assert got == [1, 2, 3, 4, 5, 6, None]

@@ -75,6 +75,7 @@ FLUSH_TOKENS = 1 << 16
 BANK = 128  # steps the loop's own preparation may get ahead while the host would wait for the
 # device (`Ahead`): a long step's device time (the prompts' step, ~29 ms at batch 64 x kv 2k on
 # the H200) then goes to preparing the steps after it instead of to a sync
+BANK_WORDS = 1 << 25  # ... and int64 words of their chunks (256 MiB pinned, as much on the device)
 
 
 class KernelFault(Exception):
@@ -175,20 +176,29 @@ class Ahead:
         self.steps, self.bank = steps, bank
         self.banked: deque[Prepared] = deque()
         self.pulled = 0  # steps prepared ahead in all
+        self.words = 0  # of the chunks that banked steps came in since the bank was last empty
+        self.chunk: object = None
 
     def next(self) -> Prepared | None:
-        return self.banked.popleft() if self.banked else next(self.steps, None)
+        if not self.banked:
+            self.words = 0
+            return next(self.steps, None)
+        return self.banked.popleft()
 
     def fill(self, busy: torch.cuda.Event | None) -> None:
         """Prepare steps until the device has done the work before `busy` (None: no device
         work to wait for) or the bank is full. Past the event by one step's preparation at
         most."""
-        while busy is not None and len(self.banked) < self.bank and not busy.query():
+        while busy is not None and len(self.banked) < self.bank and \
+                self.words < BANK_WORDS and not busy.query():
             p = next(self.steps, None)
             if p is None:
                 return
             self.banked.append(p)
             self.pulled += 1
+            chunk = getattr(p.dv, "chunk", None)
+            if chunk is not self.chunk:
+                self.chunk, self.words = chunk, self.words + getattr(chunk, "n", 0)
 
 
 def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, watch: Watch,

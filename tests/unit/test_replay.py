@@ -407,26 +407,32 @@ class _Busy:
         return self.left < 0
 
 
-@pytest.mark.parametrize(("busy", "bank", "banked"), [(3, 8, 3), (50, 4, 4), (50, 8, 6),
-                                                     (3, 0, 0)])
-def test_the_loop_prepares_ahead_while_the_device_is_busy(busy: int, bank: int,
-                                                         banked: int) -> None:
-    """`driver.Ahead` pulls steps while the awaited event has not fired, up to its bank and
-    the trace's end, and hands every step out once, in order."""
+@pytest.mark.parametrize(("busy", "bank", "words", "banked"), [
+    (3, 8, 1 << 25, 3), (50, 4, 1 << 25, 4), (50, 8, 1 << 25, 6), (3, 0, 1 << 25, 0),
+    (50, 8, 250, 4)])  # the chunk that crosses the words is the last
+def test_the_loop_prepares_ahead_while_the_device_is_busy(
+        monkeypatch: pytest.MonkeyPatch, busy: int, bank: int, words: int, banked: int) -> None:
+    """`driver.Ahead` pulls steps while the awaited event has not fired, up to its bank (in
+    steps, and in words of their chunks) and the trace's end, and hands every step out once,
+    in order."""
+    from types import SimpleNamespace
+
     from gpu_backend import driver
 
+    monkeypatch.setattr(driver, "BANK_WORDS", words)
+    chunks = [SimpleNamespace(n=100) for _ in range(4)]  # two steps a chunk
     pulled: list[int] = []
 
     def steps() -> Any:
         for i in range(7):
             pulled.append(i)
-            yield i
+            yield SimpleNamespace(i=i, dv=SimpleNamespace(chunk=chunks[i // 2]))
 
     ahead = driver.Ahead(steps(), bank)  # type: ignore[arg-type]
-    assert ahead.next() == 0
+    assert ahead.next().i == 0  # type: ignore[union-attr]
     ahead.fill(_Busy(busy))  # type: ignore[arg-type]
     assert len(ahead.banked) == ahead.pulled == banked and len(pulled) == 1 + banked
     ahead.fill(None)  # nothing to wait for: nothing pulled
     assert len(pulled) == 1 + banked
     got = [ahead.next() for _ in range(7)]
-    assert got == [1, 2, 3, 4, 5, 6, None]
+    assert [x.i for x in got[:6]] == [1, 2, 3, 4, 5, 6] and got[6] is None  # type: ignore[union-attr]

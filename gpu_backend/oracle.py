@@ -161,20 +161,24 @@ def judge(batches: list[StepBatch], tok: np.ndarray, tol: float
     """Per-row codes (OK, MISMATCH or NAN) and max |out - ref| over NaN-free tokens of several
     steps' rows end to end, in one pass over their tokens (tok [2, sum of nnz_q], the steps'
     `token_errors` end to end): a pass per step cost ~10 numpy calls each."""
-    if len(batches) == 1:
-        row, n = batches[0].row_of_token, batches[0].num_rows
-    else:
-        offs = np.cumsum([0] + [b.num_rows for b in batches]).tolist()
-        row = np.concatenate([b.row_of_token + o
-                              for b, o in zip(batches, offs[:-1], strict=True)])
-        n = offs[-1]
+    # a row's tokens are one run in batch order (`layout`): reduce each run (ufunc.at over
+    # the 131k tokens of a 64 x 2k prompts' step took ~0.5 ms on a development machine,
+    # reduceat ~0.1)
+    starts = [b.qo_indptr[:-1].astype(np.int64) for b in batches]
+    off = 0
+    for i, b in enumerate(batches):
+        starts[i] += off
+        off += int(b.qo_indptr[-1])
+    start = np.concatenate(starts) if len(starts) > 1 else starts[0]
+    some = np.diff(start, append=off) > 0  # rows with tokens (the others keep 0, not NaN)
     err, ref_max = tok[0], tok[1]
     tok_nan = np.isnan(err) & ~np.isnan(ref_max)  # out has a NaN where the reference has none
     err = np.nan_to_num(err.astype(np.float32, copy=False), nan=0.0)
-    row_err = np.zeros(n, dtype=np.float32)
-    np.maximum.at(row_err, row, err)
-    row_nan = np.zeros(n, dtype=bool)
-    row_nan[row[tok_nan]] = True
+    row_err = np.zeros(len(start), dtype=np.float32)
+    row_nan = np.zeros(len(start), dtype=bool)
+    if off:
+        row_err[some] = np.maximum.reduceat(err, start[some])
+        row_nan[some] = np.logical_or.reduceat(tok_nan, start[some])
     code = np.where(row_err > tol, MISMATCH, OK)
     code[row_nan] = NAN
     return code, row_err

@@ -134,3 +134,16 @@ def test_moved_pages_blame_a_row_exactly_when_some_is_not_blameless(tmp_path: Pa
             assert blame(p.b, changed).any() == suspect
             both[suspect] += 1
     assert both[0]  # every trace has steps whose writes blame nobody
+
+
+def test_a_row_without_query_tokens_is_ok_with_no_error() -> None:
+    """`judge` reduces each row's run of tokens: a row with none (an empty run, first, inside
+    or last) reads 0 and OK, and does not take its neighbour's tokens."""
+    from types import SimpleNamespace
+
+    a = SimpleNamespace(qo_indptr=np.array([0, 0, 2, 2, 3], np.int32))
+    b = SimpleNamespace(qo_indptr=np.array([0, 1, 1], np.int32))
+    tok = np.array([[0.01, 0.5, np.nan, 0.02], [0.1, 0.1, 0.1, 0.1]], np.float32)
+    code, err = judge([a, b], tok, 0.05)  # type: ignore[list-item]
+    assert code.tolist() == [OK, MISMATCH, OK, NAN, OK, OK]
+    assert err.tolist() == pytest.approx([0.0, 0.5, 0.0, 0.0, 0.02, 0.0])

@@ -30,28 +30,18 @@ import gc
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing, contextmanager
-from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
 from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tests, tools)
 from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
-from gpu_backend.oracle import (
-    CORRUPT,
-    DEFAULT_TOL,
-    FAULT,
-    TruthStore,
-    blame,
-    judge,
-    reference,
-    token_errors,
-)
+from gpu_backend.oracle import DEFAULT_TOL, TruthStore, reference, token_errors
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
-from gpu_backend.result import Judged, ReplayResult
+from gpu_backend.readback import Pending, Sent, drain, send, settle
+from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
 from gpu_backend.workers import trace_workers
@@ -220,31 +210,21 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
                                       trace.model.num_q_heads))
         tokens += p.b.num_tokens
         since += 1
-        settle = since >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None
-        if settle or len(pending) >= EARLY:
-            sent.append(_send(pending))
+        wait_all = since >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None
+        if wait_all or len(pending) >= EARLY:
+            sent.append(send(pending))
         if graphs is not None and nxt is not None:
             graphs.ahead(nxt)  # while the device runs p (and a settle below waits for it)
-        if settle:
+        if wait_all:
             steps.fill(sent[-1].ready if sent else None)
-            _settle(res, sent, watch)
+            settle(res, sent, watch)
             tokens = since = 0
         else:
             if len(sent) > LEAD:
                 steps.fill(sent[0].ready)
-            _drain(res, sent, watch, LEAD)
+            drain(res, sent, watch, LEAD)
         if on_step:
             on_step(p.step.step, "done")
-
-
-@dataclass
-class Pending:
-    """A step whose verdicts are still on the device: per-token errors and moved pages (the
-    watch's form), or the fault message that replaces them."""
-    p: Prepared
-    tok: torch.Tensor | None
-    changed: torch.Tensor | None
-    fault: str = ""
 
 
 def _apply_events(pool: KVPool, p: Prepared) -> None:
@@ -331,97 +311,3 @@ def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int
         return kv, q, None
     _, tq = content_kv_q(dv["tok_m@f64"], dv["true_pos_m@f64"], hkv, hq, d, dt, truth=tw)
     return kv, q, tq
-
-
-@dataclass
-class Sent:
-    """Pending steps whose device data is on its way to the host: per-token errors and moved
-    pages concatenated over the steps, copied into pinned memory behind the steps' work;
-    `ready` fires when the copies are done (None: the data is already on the host)."""
-    steps: list[Pending]
-    toks: torch.Tensor | None
-    moved: torch.Tensor | None
-    ready: torch.cuda.Event | None
-
-
-def _send(pending: list[Pending]) -> Sent:
-    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
-    toks = [x.tok for x in pending if x.tok is not None]
-    moved = [x.changed for x in pending if x.changed is not None]
-    out = Sent(list(pending), _to_host(torch.cat(toks, 1)) if toks else None,
-               _to_host(torch.cat(moved)) if moved else None, None)
-    if any(x is not None and x.is_pinned() for x in (out.toks, out.moved)):
-        out.ready = torch.cuda.Event()
-        out.ready.record()
-    pending.clear()
-    return out
-
-
-def _to_host(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":
-        return x
-    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    return host.copy_(x, non_blocking=True)
-
-
-def _drain(res: ReplayResult, sent: deque[Sent], watch: Watch, lead: int) -> None:
-    """The verdicts of the read-backs that have arrived, oldest first, and of the oldest beyond
-    `lead` still on their way (waiting for them)."""
-    while sent and (len(sent) > lead or sent[0].ready is None or sent[0].ready.query()):
-        s = sent.popleft()
-        if s.ready is not None:
-            s.ready.synchronize()
-        _verdicts(res, s, watch)
-
-
-def _settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
-    """Wait for every read-back (one sync) and append their verdicts. Raises Unseen if the
-    incremental watch saw a page change outside the steps' targets."""
-    flag = watch.stale()
-    if flag is not None and int(flag.item()):
-        raise Unseen("a page changed outside the steps' target pages")
-    while sent:
-        s = sent.popleft()
-        if s.ready is not None:
-            s.ready.synchronize()
-        _verdicts(res, s, watch)
-
-
-def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
-    """Judge the steps of one read-back (`oracle.judge`: one pass over all their tokens), then
-    blame the rows of any step where a page moved."""
-    live = [x for x in s.steps if x.tok is not None]
-    code, err = (judge([x.p.b for x in live], s.toks.numpy(), res.tol) if live and
-                 s.toks is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
-    moved = s.moved.numpy() if s.moved is not None else np.zeros(0, dtype=bool)
-    suspect = moved
-    if moved.size and isinstance(watch, IncrementalWatch):  # flags over each step's wpages
-        suspect = moved & ~np.concatenate([x.p.wok for x in live])  # the usual step: none
-    if suspect.any():
-        at = off = 0
-        for x in live:
-            assert x.changed is not None  # a step that ran has both (`Pending`)
-            n, rows = int(x.changed.numel()), x.p.b.num_rows
-            if suspect[at: at + n].any():
-                bad = blame(x.p.b, watch.changed_pages(x.p, moved[at: at + n]))
-                code[off: off + rows][bad] = CORRUPT
-            at, off = at + n, off + rows
-    faults = {i: x.fault for i, x in enumerate(s.steps) if x.tok is None}
-    if faults:  # their rows, FAULT and NaN, in step order among the others
-        code, err = _with_faults(s.steps, code, err)
-    res.judged.append(Judged([x.p.rows for x in s.steps], code, err, faults))
-
-
-def _with_faults(steps: list[Pending], code: np.ndarray, err: np.ndarray
-                 ) -> tuple[np.ndarray, np.ndarray]:
-    codes, errs, at = [], [], 0
-    for x in steps:
-        n = x.p.b.num_rows
-        if x.tok is None:
-            codes.append(np.full(n, FAULT))
-            errs.append(np.full(n, np.nan, dtype=np.float32))
-        else:
-            codes.append(code[at: at + n])
-            errs.append(err[at: at + n])
-            at += n
-    return np.concatenate(codes), np.concatenate(errs)

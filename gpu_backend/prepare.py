@@ -61,7 +61,7 @@ class Prepared:
     wpages: np.ndarray
     wcheck: int
     # per page of wpages: the truth lets this step write it, through every append that does
-    # (a checksum that moves there blames nobody: `driver._verdicts` skips the blame)
+    # (a checksum that moves there blames nobody: `readback._verdicts` skips the blame)
     wok: np.ndarray
     graph: GraphKey | None = None  # its CUDA graph's key (`graphs.block`), if any
 

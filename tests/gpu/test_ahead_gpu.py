@@ -35,13 +35,13 @@ def _replay(trace: TraceData) -> ReplayResult:
 def test_steps_prepared_ahead_give_the_rows_of_a_loop_that_waits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     trace = _trace(tmp_path, name)
-    send = driver._send
+    send = driver.send
 
     def slow_send(pending: list[Any]) -> Any:  # the device busy ~5 ms before each read-back
         torch.cuda._sleep(10**7)
         return send(pending)
 
-    monkeypatch.setattr(driver, "_send", slow_send)
+    monkeypatch.setattr(driver, "send", slow_send)
     monkeypatch.setattr(driver, "FLUSH_TOKENS", 1)  # the host waits after every step
     ahead = _replay(trace)
     monkeypatch.setattr(driver, "BANK", 0)

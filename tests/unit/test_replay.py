@@ -384,15 +384,15 @@ def test_the_host_waits_for_the_oldest_read_back_beyond_the_lead(
     than LEAD are on their way: the host stays within a few read-backs of the device."""
     from collections import deque
 
-    from gpu_backend import driver
+    from gpu_backend import readback
 
     judged: list[int] = []
-    monkeypatch.setattr(driver, "_verdicts", lambda res, s, watch: judged.append(s.steps[0]))
+    monkeypatch.setattr(readback, "_verdicts", lambda res, s, watch: judged.append(s.steps[0]))
     waits: list[int] = []
-    sent = deque(driver.Sent([i], None, None, _Arrival(waits, i)) for i in range(5))  # type: ignore[list-item, arg-type]
-    driver._drain(None, sent, None, 2)  # type: ignore[arg-type]
+    sent = deque(readback.Sent([i], None, None, _Arrival(waits, i)) for i in range(5))  # type: ignore[list-item, arg-type]
+    readback.drain(None, sent, None, 2)  # type: ignore[arg-type]
     assert waits == judged == [0, 1, 2] and len(sent) == 2
-    driver._drain(None, sent, None, 2)  # type: ignore[arg-type]
+    readback.drain(None, sent, None, 2)  # type: ignore[arg-type]
     assert judged == [0, 1, 2]  # within the lead, nothing arrived: no wait
 
 

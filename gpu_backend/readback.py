@@ -1,0 +1,128 @@
+"""The verdict data's trip back from the device, and the verdicts made of it (`driver._loop`).
+
+A step's per-token errors and moved pages stay on the device (`Pending`) until the loop sends a
+few steps' worth back together: concatenated and copied into pinned memory behind their work,
+an event recorded after the copies (`send`). The host judges each read-back once its event has
+fired (`drain`), waits for the oldest only when more than the loop's lead are on their way, and
+for all of them at a settle (`settle`, one sync). Judging is one numpy pass over the steps'
+tokens (`oracle.judge`); a step where a page moved outside what its appends may write blames
+its rows (`oracle.blame`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gpu_backend.oracle import CORRUPT, FAULT, blame, judge
+from gpu_backend.prepare import Prepared
+from gpu_backend.result import Judged, ReplayResult
+from gpu_backend.watch import IncrementalWatch, Unseen, Watch
+
+
+@dataclass
+class Pending:
+    """A step whose verdicts are still on the device: per-token errors and moved pages (the
+    watch's form), or the fault message that replaces them."""
+    p: Prepared
+    tok: torch.Tensor | None
+    changed: torch.Tensor | None
+    fault: str = ""
+
+
+
+@dataclass
+class Sent:
+    """Pending steps whose device data is on its way to the host: per-token errors and moved
+    pages concatenated over the steps, copied into pinned memory behind the steps' work;
+    `ready` fires when the copies are done (None: the data is already on the host)."""
+    steps: list[Pending]
+    toks: torch.Tensor | None
+    moved: torch.Tensor | None
+    ready: torch.cuda.Event | None
+
+
+def send(pending: list[Pending]) -> Sent:
+    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
+    toks = [x.tok for x in pending if x.tok is not None]
+    moved = [x.changed for x in pending if x.changed is not None]
+    out = Sent(list(pending), _to_host(torch.cat(toks, 1)) if toks else None,
+               _to_host(torch.cat(moved)) if moved else None, None)
+    if any(x is not None and x.is_pinned() for x in (out.toks, out.moved)):
+        out.ready = torch.cuda.Event()
+        out.ready.record()
+    pending.clear()
+    return out
+
+
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return x
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    return host.copy_(x, non_blocking=True)
+
+
+def drain(res: ReplayResult, sent: deque[Sent], watch: Watch, lead: int) -> None:
+    """The verdicts of the read-backs that have arrived, oldest first, and of the oldest beyond
+    `lead` still on their way (waiting for them)."""
+    while sent and (len(sent) > lead or sent[0].ready is None or sent[0].ready.query()):
+        s = sent.popleft()
+        if s.ready is not None:
+            s.ready.synchronize()
+        _verdicts(res, s, watch)
+
+
+def settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
+    """Wait for every read-back (one sync) and append their verdicts. Raises Unseen if the
+    incremental watch saw a page change outside the steps' targets."""
+    flag = watch.stale()
+    if flag is not None and int(flag.item()):
+        raise Unseen("a page changed outside the steps' target pages")
+    while sent:
+        s = sent.popleft()
+        if s.ready is not None:
+            s.ready.synchronize()
+        _verdicts(res, s, watch)
+
+
+def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
+    """Judge the steps of one read-back (`oracle.judge`: one pass over all their tokens), then
+    blame the rows of any step where a page moved."""
+    live = [x for x in s.steps if x.tok is not None]
+    code, err = (judge([x.p.b for x in live], s.toks.numpy(), res.tol) if live and
+                 s.toks is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
+    moved = s.moved.numpy() if s.moved is not None else np.zeros(0, dtype=bool)
+    suspect = moved
+    if moved.size and isinstance(watch, IncrementalWatch):  # flags over each step's wpages
+        suspect = moved & ~np.concatenate([x.p.wok for x in live])  # the usual step: none
+    if suspect.any():
+        at = off = 0
+        for x in live:
+            assert x.changed is not None  # a step that ran has both (`Pending`)
+            n, rows = int(x.changed.numel()), x.p.b.num_rows
+            if suspect[at: at + n].any():
+                bad = blame(x.p.b, watch.changed_pages(x.p, moved[at: at + n]))
+                code[off: off + rows][bad] = CORRUPT
+            at, off = at + n, off + rows
+    faults = {i: x.fault for i, x in enumerate(s.steps) if x.tok is None}
+    if faults:  # their rows, FAULT and NaN, in step order among the others
+        code, err = _with_faults(s.steps, code, err)
+    res.judged.append(Judged([x.p.rows for x in s.steps], code, err, faults))
+
+
+def _with_faults(steps: list[Pending], code: np.ndarray, err: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    codes, errs, at = [], [], 0
+    for x in steps:
+        n = x.p.b.num_rows
+        if x.tok is None:
+            codes.append(np.full(n, FAULT))
+            errs.append(np.full(n, np.nan, dtype=np.float32))
+        else:
+            codes.append(code[at: at + n])
+            errs.append(err[at: at + n])
+            at += n
+    return np.concatenate(codes), np.concatenate(errs)

@@ -181,12 +181,15 @@ def main() -> None:
                                            "b_workers": a.b_workers, "reps": a.reps}
     if a.backend == "flashinfer":
         try:
-            from gpu_backend.calibrate import meta  # the GPU, driver, torch and FlashInfer
+            import torch
 
-            out |= meta("python " + out["command"])
+            from gpu_backend.calibrate import meta  # the GPU, driver, torch and FlashInfer
         except ImportError as e:
             ap.error(f"--backend flashinfer needs torch and flashinfer ({e}); "
                      "try --backend reference")
+        if not torch.cuda.is_available():
+            ap.error("--backend flashinfer needs a CUDA device; try --backend reference")
+        out |= meta("python " + out["command"])
     if a.commit:
         out["commit"] = a.commit
     out["sizes"] = []

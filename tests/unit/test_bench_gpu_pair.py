@@ -52,3 +52,19 @@ def test_bad_input_is_a_usage_error(tmp_path: Path, args: list[str], says: str) 
     p = _bench("--backend", "reference", "--work", str(tmp_path), "--json", str(out), *args)
     assert p.returncode == 2 and says in p.stderr and "Traceback" not in p.stderr
     assert not out.exists() and not list(tmp_path.glob("*.part"))
+
+
+def test_flashinfer_without_a_gpu_stack_says_what_to_use(tmp_path: Path) -> None:
+    """The default backend on a machine without FlashInfer or CUDA: a usage error naming
+    the reference backend, not a traceback."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("flashinfer") and torch.cuda.is_available():
+        pytest.skip("FlashInfer and CUDA are here: the default backend would run")
+    out = tmp_path / "p.json"
+    p = _bench("--set", "driver.BANK=0", "--sweep", "4x64:3", "--work", str(tmp_path),
+               "--json", str(out))
+    assert p.returncode == 2 and "try --backend reference" in p.stderr
+    assert "Traceback" not in p.stderr and not out.exists()

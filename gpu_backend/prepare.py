@@ -340,13 +340,17 @@ def _content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
         mask = np.repeat(over[None, :], 2 + nq, axis=0)
         mask[1] = False
         arrays["eng_nan"] = mask[:, :, None, None]
-    if len(b.app_tokens) == b.num_tokens:  # no device-ahead appends: query t is append t
-        q2a = np.arange(b.num_tokens)
+    nan = bool(over.any())
+    if len(b.app_tokens) == b.num_tokens:  # no device-ahead appends: query t is append t, and
+        # the content's queries are the appends' (`driver._content` reads no q2a): a prompts'
+        # step at 128 x 8k staged a million-word identity here
+        q_nan = nan
     else:
         a_start = np.concatenate([[0], np.cumsum(np.bincount(b.app_row, minlength=b.num_rows))])
         q2a = a_start[b.row_of_token] + (np.arange(b.num_tokens) - b.qo_indptr[b.row_of_token])
-    arrays["q2a"] = q2a
-    same = bool(np.array_equal(b.rope_pos, b.true_pos) and not over[q2a].any())
+        arrays["q2a"] = q2a
+        q_nan = bool(over[q2a].any())
+    same = not q_nan and bool(np.array_equal(b.rope_pos, b.true_pos))
     if not same:
         arrays |= {"tok_m": mod_m(b.tokens), "true_pos_m": mod_m(b.true_pos)}
-    return bool(over.any()), same
+    return nan, same

@@ -171,9 +171,10 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
                    st.trace.columns.get(s.step))
     slots, fill = _admit(st, b, arrays)
     arrays |= _step_arrays(b, slots) | run_arrays(b)
-    if touched:
-        arrays["touched"] = unique(np.array(touched, dtype=np.int64))
-    wpages, wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, touched)
+    tset = unique(np.array(touched, dtype=np.int64)) if touched else None
+    if tset is not None:
+        arrays["touched"] = tset
+    wpages, wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, tset)
     wok = _blameless(b, wpages)
     if len(wpages):
         arrays["wpages"] = wpages
@@ -230,14 +231,14 @@ def _release(st: HostState, step: int, requests: list[int]) -> None:
             st.free.append(st.slot.pop(req))
 
 
-def _targets(b: StepBatch, pages: int, touched: list[int]) -> tuple[np.ndarray, int]:
+def _targets(b: StepBatch, pages: int, touched: np.ndarray | None) -> tuple[np.ndarray, int]:
     """(the pages the step's appends target inside the pool, those its events did not touch
-    first; how many of the latter)."""
+    first; how many of the latter). touched: the pages the events touched, sorted, distinct."""
     ew = b.engine_write
     w = unique(ew[(ew >= 0) & (ew < pages)])
-    if not touched:
+    if touched is None:
         return w, len(w)
-    hit = member(w, np.sort(np.array(touched, dtype=np.int64)))
+    hit = member(w, touched)
     return np.concatenate([w[~hit], w[hit]]), int((~hit).sum())
 
 

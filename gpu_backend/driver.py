@@ -186,9 +186,8 @@ class Ahead:
                 return
             self.banked.append(p)
             self.pulled += 1
-            chunk = getattr(p.dv, "chunk", None)
-            if chunk is not self.chunk:
-                self.chunk, self.words = chunk, self.words + getattr(chunk, "n", 0)
+            if p.dv.chunk is not self.chunk:
+                self.chunk, self.words = p.dv.chunk, self.words + p.dv.chunk.n
 
 
 def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, watch: Watch,

@@ -164,12 +164,10 @@ def judge(batches: list[StepBatch], tok: np.ndarray, tol: float
     # a row's tokens are one run in batch order (`layout`): reduce each run (ufunc.at over
     # the 131k tokens of a 64 x 2k prompts' step took ~0.5 ms on a development machine,
     # reduceat ~0.1)
-    starts = [b.qo_indptr[:-1].astype(np.int64) for b in batches]
-    off = 0
-    for i, b in enumerate(batches):
-        starts[i] += off
-        off += int(b.qo_indptr[-1])
-    start = np.concatenate(starts) if len(starts) > 1 else starts[0]
+    offs = np.cumsum([0] + [int(b.qo_indptr[-1]) for b in batches])
+    start = np.concatenate([b.qo_indptr[:-1].astype(np.int64) + o
+                            for b, o in zip(batches, offs[:-1], strict=True)])
+    off = int(offs[-1])
     some = np.diff(start, append=off) > 0  # rows with tokens (the others keep 0, not NaN)
     err, ref_max = tok[0], tok[1]
     tok_nan = np.isnan(err) & ~np.isnan(ref_max)  # out has a NaN where the reference has none

@@ -33,7 +33,6 @@ class Pending:
     fault: str = ""
 
 
-
 @dataclass
 class Sent:
     """Pending steps whose device data is on its way to the host: per-token errors and moved

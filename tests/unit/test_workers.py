@@ -212,11 +212,20 @@ def test_closing_early_stops_the_workers(tmp_path: Path, monkeypatch: pytest.Mon
     it = prepared_steps(t, _state(t), "cpu", 3)
     next(it)
     (forker,) = mp.active_children()
-    pids = _children(forker.pid)
-    assert len(pids) == 3
+    pids = _workers_forked(forker.pid, 3)
     it.close()
     assert not mp.active_children()
     assert not [p for p in pids if Path(f"/proc/{p}").exists()]  # killed and reaped
+
+
+def _workers_forked(pid: int, n: int, wait: float = 30.0) -> list[int]:
+    """pid's n children, once it has forked them all: it forks them beside the loop, which may
+    have its first chunk first (CI's 2 busy cores once saw 2 of 3)."""
+    end = time.monotonic() + wait
+    while len(pids := _children(pid)) < n and time.monotonic() < end:
+        time.sleep(0.01)
+    assert len(pids) == n
+    return pids
 
 
 def _children(pid: int) -> list[int]:

@@ -29,6 +29,10 @@ the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per ge
 - unpickle: of receive, the metadata's unpickling alone (the same bytes again, just after);
 - bytes: words and metadata a step crosses from a worker to the loop.
 
+Each size is measured twice, each time in a process forked for it: as `driver.replay` runs,
+with freed memory kept in the heap (`sim.heap`), and with glibc's default heap (`heap_default`,
+and `kept_over_default` the ratios; `--no-heap-default` skips it).
+
 Each figure is the median over --reps passes (after one warm-up pass) of the pass's mean per
 step. Worker and loop run in this one process here (the slot and pipe are the real ones), so
 nothing waits on another process: these are the stages' own costs. The H200's host ran this
@@ -40,6 +44,7 @@ before on the same machine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import pickle
@@ -58,6 +63,7 @@ sys.path.insert(0, str(ROOT / "tests" / "unit"))
 from gpu_backend import fa2plan, prepare, slots, staging, workers  # noqa: E402
 from gpu_backend.events import in_flight_poison  # noqa: E402
 from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
+from sim import heap  # noqa: E402
 
 
 def _host_load(self: staging.Chunk, h64: Any) -> None:
@@ -165,13 +171,42 @@ def _median(fn: Callable[[], Any], reps: int) -> Any:
     return statistics.median(runs)
 
 
-def measure(trace: TraceData, reps: int) -> dict[str, float]:
+def measure(trace: TraceData, reps: int, kept: bool = True) -> dict[str, float]:
+    """The stages' figures; kept: with freed memory kept in the heap, as `driver.replay` runs
+    them (`sim.heap`), else with glibc's defaults. In a process forked for them: a `kept()`
+    block changes glibc's settings for good, and every figure starts from this process's."""
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_measure_into, args=(send, trace, reps, kept))
+    proc.start()
+    send.close()
+    try:
+        out: dict[str, float] = recv.recv()
+    except EOFError:
+        proc.join()
+        raise SystemExit(f"replay_host: the measuring process died (exit {proc.exitcode})"
+                         ) from None
+    proc.join()
+    return out
+
+
+def _measure_into(send: Any, trace: TraceData, reps: int, kept: bool) -> None:
     staging.Chunk.load = _host_load  # type: ignore[method-assign]
+    with heap.kept() if kept else contextlib.nullcontext():
+        send.send(_measure(trace, reps))
+
+
+def _measure(trace: TraceData, reps: int) -> dict[str, float]:
     out = {"prompt_ms": _median(lambda: _prompt_pass(trace), reps),
            "prepare_us": _median(lambda: _prepare_pass(trace), reps),
            "walk_us": _median(lambda: _walk_pass(trace), reps),
            "first_walk_us": _median(lambda: _first_walk_pass(trace), reps)}
     return out | _median(lambda: _ship_pass(trace), reps)
+
+
+def _show(batch: int, kv: int, r: dict[str, Any], what: str = "") -> None:
+    print(f"batch {batch:4d} kv {kv:6d}{what}: " + ", ".join(
+        f"{k} {v:.1f}" for k, v in r.items() if isinstance(v, float)), flush=True)
 
 
 def _read_before(ap: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
@@ -208,6 +243,9 @@ def main() -> None:
                     help="this bench's JSON for the code before a change (same machine, just "
                     "before): kept under 'before', with after/before ratios")
     ap.add_argument("--note", default="", help="context to keep in the JSON")
+    ap.add_argument("--no-heap-default", dest="heap_default", action="store_false",
+                    help="skip the second pass of each size with glibc's default heap (by "
+                    "default both run, for the ratio `kept_over_default`: sim.heap)")
     a = ap.parse_args()
     before = _read_before(ap, a.before) if a.before else None
     from replay_traces import big_verify
@@ -225,14 +263,18 @@ def main() -> None:
         trace = load_trace(big_verify(a.work / f"big_{batch}x{kv}_{a.steps}", batch=batch, kv=kv,
                                       steps=a.steps))
         r = {"batch": batch, "kv": kv} | measure(trace, a.reps)
-        print(f"batch {batch:4d} kv {kv:6d}: " + ", ".join(
-            f"{k} {v:.1f}" for k, v in r.items() if k not in ("batch", "kv")), flush=True)
+        _show(batch, kv, r)
+        if a.heap_default and heap.available():
+            r["heap_default"] = d = measure(trace, a.reps, kept=False)
+            _show(batch, kv, d, " (glibc's default heap)")
+            r["kept_over_default"] = {k: round(r[k] / v, 3) for k, v in d.items() if v}
         out["sizes"].append(r)
     if before is not None:
         out["before"] = before
         out["after_over_before"] = [
             {"batch": x["batch"], "kv": x["kv"]} | {
-                k: round(x[k] / y[k], 3) for k in x if k not in ("batch", "kv") and y.get(k)}
+                k: round(x[k] / y[k], 3) for k in x
+                if isinstance(x[k], float) and isinstance(y.get(k), float) and y[k]}
             for x, y in zip(out["sizes"], before["sizes"], strict=False)]
         print(json.dumps(out["after_over_before"], indent=1))
     if a.json:

@@ -45,11 +45,18 @@ SCORES_BYTES = 1 << 28  # fp32 scores `attend` holds at once; past it, rows (the
 # reference backend stopped on it with the CPU out of memory
 
 
+# on the CPU a row's queries past this many go in blocks, each over the keys it can see
+# (`_causal`): a prompt's causal mask hides half of its scores
+QUERY_BLOCK = 256
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
            lo: int = 0) -> torch.Tensor:
     """`_attend` in parts of at most SCORES_BYTES of scores: rows, and a row's queries when one
     row is over it (each query's softmax is its own, so the parts' outputs are the whole's)."""
     R, W, Hq, _ = q.shape
+    if R == 1 and W > QUERY_BLOCK and not q.is_cuda:
+        return _causal(q, k, v, limit, lo)
     per_query = Hq * k.shape[2] * 4
     if R * W * per_query <= SCORES_BYTES or R * W == 1:
         return _attend(q, k, v, limit, lo)
@@ -60,6 +67,21 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tenso
     n = max(SCORES_BYTES // per_query, 1)
     return torch.cat([_attend(q[:, j:j + n], k, v, limit[:, j:j + n], lo)
                       for j in range(0, W, n)], dim=1)
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
+            lo: int) -> torch.Tensor:
+    """One row's queries in blocks of QUERY_BLOCK, each over keys [0, its last limit]: the keys
+    past it are masked for the whole block, so leaving them out only drops exp(-inf) = 0 terms
+    (rounding may differ: the sums are blocked differently). On the CPU only: the bound is read
+    on the host, which on a GPU would wait for the device."""
+    L, parts = k.shape[2], []
+    for j in range(0, q.shape[1], QUERY_BLOCK):
+        lim = limit[:, j:j + QUERY_BLOCK]
+        hi = min(max(int(lim.max()) + 1, 1), L)
+        parts.append(attend(q[:, j:j + QUERY_BLOCK], k[:, :, :hi], v[:, :, :hi], lim,
+                            min(lo, hi)))
+    return torch.cat(parts, dim=1)
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,

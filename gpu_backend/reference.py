@@ -66,25 +66,45 @@ class ReferenceKernels:
 
     def _attention(self, pool: KVPool, b: StepBatch, reads: Accesses, kernel_len: np.ndarray,
                    q: torch.Tensor) -> torch.Tensor:
+        """The step's attention output [nnz_q, Hq, D] in q's dtype, NaN where no query is.
+        In batches as the fp32 reference's (`refgroups`): the gen rows together, each context
+        row alone. One batch padded to the step's widest row and longest table made every decode
+        row compute a prompt's queries: 6 of the default scenario's 6 minutes."""
         idx, slot = self._physical(pool, reads, "attention")
-        R, L = b.num_rows, max(int(kernel_len.max(initial=0)), 1)
-        kv = torch.zeros((R, L) + tuple(pool.data.shape[1:2]) + tuple(pool.data.shape[3:]),
-                         dtype=pool.data.dtype)
-        kv[torch.as_tensor(reads.row), torch.as_tensor(reads.pos)] = \
-            pool.data[torch.as_tensor(idx), :, torch.as_tensor(slot)]
-        W = int(b.q_len.max())
-        j = np.arange(W)
-        tok = b.qo_indptr[:-1][:, None] + np.minimum(j[None, :], b.q_len[:, None] - 1)
-        # causal, bottom-right aligned: query j sees [0, kernel_len - q_len + j]
-        limit = kernel_len[:, None] - b.q_len[:, None] + j[None, :]
-        tok_t = torch.as_tensor(tok)
-        o = attend(q[tok_t], kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2),
-                   torch.as_tensor(limit))
-        o = torch.where(torch.as_tensor(limit >= 0)[:, :, None, None], o, 0.0)
         out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # as the GPU's out= buffer
-        valid = torch.as_tensor(j[None, :] < b.q_len[:, None])
-        out[tok_t[valid]] = o[valid].to(q.dtype)  # the kernels write bf16/fp16
+        gen = np.flatnonzero(~b.is_ctx)
+        local = np.empty(b.num_rows, dtype=np.int64)
+        for rows in ([gen] if gen.size else []) + [np.array([r]) for r in np.flatnonzero(b.is_ctx)]:
+            local[rows] = np.arange(len(rows))
+            mine = np.isin(reads.row, rows)
+            self._batch(pool, b, rows, local[reads.row[mine]], reads.pos[mine],
+                        idx[mine], slot[mine], kernel_len[rows], q, out)
         return out
+
+    @staticmethod
+    def _batch(pool: KVPool, b: StepBatch, rows: np.ndarray, at_row: np.ndarray,
+               at_pos: np.ndarray, idx: np.ndarray, slot: np.ndarray, kernel_len: np.ndarray,
+               q: torch.Tensor, out: torch.Tensor) -> None:
+        """Attention of `rows` (their reads: batch row, position, pool index, slot) into out."""
+        R, L = len(rows), max(int(kernel_len.max(initial=0)), 1)
+        _, two, _, H, D = pool.data.shape
+        # [K|V, row, head, position, D]: K and V as `attend` takes them (HND), no copy
+        kv = torch.zeros((two, R, H, L, D), dtype=pool.data.dtype)
+        kv[:, torch.as_tensor(at_row), :, torch.as_tensor(at_pos)] = \
+            pool.data[torch.as_tensor(idx), :, torch.as_tensor(slot)]
+        q_len = b.q_len[rows]
+        W = int(q_len.max())
+        if W == 0:
+            return
+        j = np.arange(W)
+        tok = b.qo_indptr[rows][:, None] + np.minimum(j[None, :], q_len[:, None] - 1)
+        # causal, bottom-right aligned: query j sees [0, kernel_len - q_len + j]
+        limit = kernel_len[:, None] - q_len[:, None] + j[None, :]
+        tok_t = torch.as_tensor(tok)
+        o = attend(q[tok_t], kv[0], kv[1], torch.as_tensor(limit))
+        o = torch.where(torch.as_tensor(limit >= 0)[:, :, None, None], o, 0.0)
+        valid = torch.as_tensor(j[None, :] < q_len[:, None])
+        out[tok_t[valid]] = o[valid].to(q.dtype)  # the kernels write bf16/fp16
 
 
 def refuse_stale_plan(b: StepBatch) -> None:

@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # torch==2.13.0 resolves to the CPU build on these machines; the CPU replay backend needs it.
 EXTRAS := dev,cpu-ref
 
-.PHONY: run test lint bench bench-sim bench-memory bench-fuzz bench-replay-host bench-gpu setup clean
+.PHONY: run test lint bench bench-sim bench-memory bench-fuzz bench-replay-host bench-cpu-replay bench-gpu setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,7 +31,7 @@ lint: $(STAMP)
 
 # `make bench` runs every benchmark (bench/README.md); each writes bench/results/*.json.
 # It takes about half an hour on 2 cores; the parts run alone too.
-bench: bench-sim bench-memory bench-fuzz bench-replay-host bench-gpu
+bench: bench-sim bench-memory bench-fuzz bench-replay-host bench-cpu-replay bench-gpu
 
 # Side by side (fast vs reference engine) at 2,000 requests, then the targets at 10,000.
 bench-sim: $(STAMP)
@@ -52,6 +52,10 @@ bench-fuzz: $(STAMP)
 # The GPU replay's host work per step (preparation, workers' shipping, the loop's receiving), no GPU.
 bench-replay-host: $(STAMP)
 	$(BIN)/python bench/replay_host.py --json bench/results/replay_host.json
+
+# The CPU reference replay of `make run`'s trace (what a user without a GPU waits for).
+bench-cpu-replay: $(STAMP)
+	$(BIN)/python bench/cpu_replay.py --json bench/results/cpu_replay.json
 
 # On a CUDA host with the gpu extra (GPU_PY: a Python with torch + flashinfer); skipped here.
 GPU_PY ?= $(BIN)/python

@@ -6,19 +6,31 @@ torch/flashinfer are imported inside the command: the simulator core never impor
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
 from sim.errors import KvsimError
 
 _FIRST_BAD = 10
+_ERR = Console(stderr=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -85,21 +97,42 @@ def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch:
     from gpu_backend.run import run_replay
 
     current = {"step": -1}
+    with _progress(trace_dir) as (bar, task):
+        def on_step(step: int, what: str) -> None:
+            current["step"] = step
+            if what == "done":
+                bar.update(task, completed=step + 1)
 
-    def on_step(step: int, what: str) -> None:
-        current["step"] = step
+        try:
+            return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch,
+                              graphs=graphs, workers=workers)
+        except RuntimeError as e:
+            _fault(e, current["step"], backend)
 
+
+@contextmanager
+def _progress(trace_dir: Path) -> Iterator[tuple[Progress, TaskID]]:
+    """A progress bar on stderr over the trace's steps (the CPU replay of `make run`'s trace
+    takes minutes); none when stderr is not a terminal."""
     try:
-        return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch, graphs=graphs,
-                          workers=workers)
-    except RuntimeError as e:
-        where = f"during step {current['step']} ({str(e)[:200]})"
-        if "out of memory" in str(e) or "allocate memory" in str(e):  # torch's, GPU or CPU
-            raise KvsimError(f"out of memory {where}: the step's arrays do not fit "
-                             f"({backend} backend)") from None
-        # a CUDA fault: the context is gone, say where and how to go on
-        raise KvsimError(f"device fault {where}; rerun with --isolate to attribute it and "
-                         "carry on") from None
+        total = int(json.loads((trace_dir / "manifest.json").read_text())["counts"]["steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        total = None  # run_replay says what is wrong with the trace
+    with Progress(TextColumn("replaying {task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("steps"), TimeElapsedColumn(), console=_ERR, transient=True,
+                  disable=not _ERR.is_terminal) as bar:
+        yield bar, bar.add_task(trace_dir.name, total=total)
+
+
+def _fault(e: RuntimeError, step: int, backend: str) -> NoReturn:
+    """torch's out-of-memory or a device fault as a plain error naming the step."""
+    where = f"during step {step} ({str(e)[:200]})"
+    if "out of memory" in str(e) or "allocate memory" in str(e):  # torch's, GPU or CPU
+        raise KvsimError(f"out of memory {where}: the step's arrays do not fit "
+                         f"({backend} backend)") from None
+    # a CUDA fault: the context is gone, say where and how to go on
+    raise KvsimError(f"device fault {where}; rerun with --isolate to attribute it and "
+                     "carry on") from None
 
 
 def _reexec_sanitized() -> None:

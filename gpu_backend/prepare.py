@@ -171,7 +171,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
                    st.trace.columns.get(s.step))
     slots, fill = _admit(st, b, arrays)
     arrays |= _step_arrays(b, slots) | run_arrays(b)
-    tset = unique(np.array(touched, dtype=np.int64)) if touched else None
+    tset = unique(touched) if len(touched) else None
     if tset is not None:
         arrays["touched"] = tset
     wpages, wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, tset)
@@ -190,7 +190,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     dv = stage(chunk, arrays)
     if graph is not None:
         graphs.span(dv)
-    return Prepared(s, rows, b, dv, ops, bool(touched), fill, eng_nan, same, q_identity, groups,
+    return Prepared(s, rows, b, dv, ops, tset is not None, fill, eng_nan, same, q_identity, groups,
                     wpages, wcheck, wok, graph)
 
 
@@ -252,8 +252,8 @@ def _blameless(b: StepBatch, wpages: np.ndarray) -> np.ndarray:
     return ok & ~member(wpages, wrong) if len(wrong) else ok
 
 
-def _pool_ops(st: HostState, ops: list[PoolOp], touched: list[int],
-              arrays: dict[str, np.ndarray]) -> tuple[list[PoolOp], list[int]]:
+def _pool_ops(st: HostState, ops: list[PoolOp], touched: np.ndarray,
+              arrays: dict[str, np.ndarray]) -> tuple[list[PoolOp], np.ndarray]:
     """The pool operations before this step's kernels, in order: the last step's rewind (its
     rejected drafts' slots become poison: nothing reads the pool in between, and that step's
     checksums were taken before it), then the block events. Poisoned pages become their pool
@@ -267,7 +267,7 @@ def _pool_ops(st: HostState, ops: list[PoolOp], touched: list[int],
     if st.rewind is None:
         return ops, touched
     rej_rows, rej_pages = st.rewind
-    touched = touched + rej_pages.tolist()
+    touched = np.concatenate([touched, rej_pages])
     if ops and ops[0][0] == "nan":
         arrays[f"ev{ops[0][1]}"] = np.concatenate([rej_rows, arrays[f"ev{ops[0][1]}"]])
         return ops, touched

@@ -51,6 +51,23 @@ class TraceData:
     # step -> its rows as arrays, in row order (`layout.columns`: what `layout.build_step`
     # reads), from the decoded Arrow columns: views where the step's rows are contiguous
     columns: dict[int, Columns] = field(default_factory=dict)
+    # (step, phase) -> its block events as arrays in seq order (`EventColumns`), from the
+    # decoded Arrow table: what `events.event_ops` reads
+    event_columns: dict[tuple[int, str], EventColumns] = field(default_factory=dict)
+
+
+EVENT_CODES = ("alloc", "reuse", "copy", "free", "evict", "rewind", "hash", "done")
+
+
+@dataclass(frozen=True)
+class EventColumns:
+    """One (step, phase)'s block events, seq order; `code` indexes EVENT_CODES."""
+    code: np.ndarray
+    block: np.ndarray
+    refcount: np.ndarray
+    seq: np.ndarray
+    src: np.ndarray
+    num_tokens: np.ndarray
 
 
 def _manifest(path: Path) -> dict[str, Any]:
@@ -75,11 +92,42 @@ def _manifest(path: Path) -> dict[str, Any]:
     return dict(m)
 
 
-def _tables(path: Path) -> tuple[dict[str, list[dict[str, Any]]], pa.Table]:
-    """All five logical tables as lists of dicts, and the rows table itself."""
+def _tables(path: Path) -> tuple[dict[str, list[dict[str, Any]]], pa.Table, pa.Table]:
+    """All five logical tables as lists of dicts, and the rows and blocks tables themselves."""
     t = read_trace(path)
     return {n: t.tables[n].to_pylist() for n in ("steps", "rows", "requests", "blocks",
-                                                    "violations")}, t.tables["rows"]
+                                                    "violations")}, t.tables["rows"], \
+        t.tables["blocks"]
+
+
+def _event_columns(table: pa.Table, path: Path) -> dict[tuple[int, str], EventColumns]:
+    """`TraceData.event_columns`: the blocks table sorted by seq, cut at each (step, phase)."""
+    if table.num_rows == 0:
+        return {}
+    col = {k: _ints(table.column(k)) for k in ("step", "seq", "block", "refcount", "src",
+                                               "num_tokens")}
+    code = _codes(table.column("event"), EVENT_CODES, path, "event")
+    proc = _codes(table.column("phase"), ("sched", "proc"), path, "phase")
+    order = np.lexsort((col["seq"], proc, col["step"]))
+    step, proc, code = col["step"][order], proc[order], code[order]
+    cut = np.flatnonzero((np.diff(step) != 0) | (np.diff(proc) != 0)) + 1
+    starts, ends = [0, *cut.tolist()], [*cut.tolist(), len(order)]
+    cols = {k: col[k][order] for k in ("block", "refcount", "seq", "src", "num_tokens")}
+    return {(int(step[a]), "proc" if proc[a] else "sched"): EventColumns(
+        code[a:z], **{k: v[a:z] for k, v in cols.items()}) for a, z in zip(starts, ends,
+                                                                             strict=True)}
+
+
+def _codes(a: pa.ChunkedArray, names: tuple[str, ...], path: Path, what: str) -> np.ndarray:
+    """a's strings as their index in names; TraceError naming one that is not there."""
+    if pa.types.is_dictionary(a.type):
+        a = a.cast(a.type.value_type)
+    idx = pc.index_in(a, value_set=pa.array(names))
+    if idx.null_count:
+        bad = a.filter(pc.is_null(idx))[0].as_py()
+        raise TraceError(f"{path}: blocks.parquet has {what} {bad!r}, not one of "
+                         f"{', '.join(names)}")
+    return _ints(idx)
 
 
 def _columns(table: pa.Table, order: dict[int, list[int]]) -> dict[int, Columns]:
@@ -128,7 +176,7 @@ def load_trace(path: str | Path) -> TraceData:
     """Read TRACE_DIR. Raises TraceError for anything missing, partial or of another version."""
     path = Path(path)
     m = _manifest(path)
-    tabs, row_table = _tables(path)
+    tabs, row_table, block_table = _tables(path)
     mm = m["model"]
     model = ModelShape(int(mm["num_q_heads"]), int(mm["num_kv_heads"]), int(mm["head_dim"]),
                        int(mm["tokens_per_block"]), int(mm["num_blocks"]), str(mm["dtype"]),
@@ -156,4 +204,5 @@ def load_trace(path: str | Path) -> TraceData:
         events.setdefault((ev.step, ev.phase), []).append(ev)
     viols = [(d["invariant"], d["step"], d["request"], d["message"])
              for d in tabs["violations"]]
-    return TraceData(path, m, model, steps, rows, prompts, events, viols, columns)
+    return TraceData(path, m, model, steps, rows, prompts, events, viols, columns,
+                     _event_columns(block_table, path))

@@ -1,0 +1,62 @@
+"""events.event_ops (arrays) against event_ops_loop (the per-event loop it replaced, the oracle):
+the same pool operations, poisoned pages, touched pages, refcounts and shared blocks at every
+step of traces with slot copies (partial reuse), double frees and frees in flight."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from replay_traces import ROOT, fault_trace
+
+from gpu_backend import events
+from gpu_backend.events import event_ops, event_ops_loop, in_flight_poison
+from gpu_backend.tracedata import load_trace
+
+
+def _default_small(tmp: Path) -> Path:
+    """`make run`'s scenario at 40 requests: partial-copy reuse (slot copies) under pressure."""
+    from sim.api import load_scenario, run
+
+    sc, base = load_scenario(ROOT / "scenarios" / "default.toml")
+    wl = sc.workload.synthetic.model_copy(update={"num_requests": 40})
+    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"synthetic": wl})})
+    run(sc, out=tmp / "default40", base_dir=base)
+    return tmp / "default40"
+
+
+@pytest.mark.parametrize("name", ["default40", "double_free", "free_in_flight"])
+def test_event_ops_is_the_per_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         name: str) -> None:
+    monkeypatch.setattr(events, "LOOP_EVENTS", 0)  # every step as arrays, however few events
+    path = _default_small(tmp_path) if name == "default40" else fault_trace(tmp_path, name)
+    trace = load_trace(path)
+    flight = in_flight_poison(trace)
+    rc_fast: dict[int, int] = {}
+    rc_slow: dict[int, int] = {}
+    sh_fast: set[int] = set()
+    sh_slow: set[int] = set()
+    kinds, ever_shared = set(), False
+    for s in trace.steps:
+        a_fast: dict[str, np.ndarray] = {}
+        a_slow: dict[str, np.ndarray] = {}
+        ops, touched = event_ops(trace, s.step, 3, rc_fast, flight, a_fast, sh_fast)
+        want, want_touched = event_ops_loop(trace, s.step, 3, rc_slow, flight, a_slow, sh_slow)
+        assert ops == want, s.step
+        assert a_fast.keys() == a_slow.keys()
+        for k, v in a_slow.items():
+            assert a_fast[k].tolist() == v.tolist(), (s.step, k)
+        assert sorted(touched.tolist()) == sorted(want_touched)
+        assert (rc_fast, sh_fast) == (rc_slow, sh_slow)
+        kinds |= {op[0] for op in ops}
+        ever_shared |= bool(sh_fast)
+    # what each trace is here for was in it: slot copies and shared prefix blocks, a double
+    # free of a live block, a free while the step that reads the block is in flight
+    if name == "default40":
+        assert "copy" in kinds and ever_shared
+    elif name == "double_free":
+        assert flight.double_free
+    else:
+        assert flight.before_step
+    assert "nan" in kinds

@@ -45,7 +45,7 @@ def event_ops(trace: TraceData, step: int, guard: int, refcount: dict[int, int],
 
     for c in cols:
         live = c.code != _DONE
-        code, block, seq = c.code[live], c.block[live], c.seq[live]
+        code, block, seq, src = c.code[live], c.block[live], c.seq[live], c.src[live]
         _hold(refcount, shared, block, c.refcount[live])
         poison = (code == _ALLOC) | (code == _EVICT)
         if flight.double_free:
@@ -54,11 +54,11 @@ def event_ops(trace: TraceData, step: int, guard: int, refcount: dict[int, int],
         pages = block[pp] + g
         touched.append(pages)
         lo = 0
-        for i in np.flatnonzero((code == _COPY) & (c.src[live] >= 0)).tolist():
+        for i in np.flatnonzero((code == _COPY) & (src >= 0)).tolist():
             hi = int(np.searchsorted(pp, i))
             run.append(pages[lo:hi])
             flush()
-            ops.append(("copy", int(block[i]) + g, int(c.src[live][i]) + g,
+            ops.append(("copy", int(block[i]) + g, int(src[i]) + g,
                         int(c.num_tokens[live][i]) or trace.model.page_size))
             touched.append(block[i:i + 1] + g)
             lo = hi

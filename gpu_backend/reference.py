@@ -69,7 +69,8 @@ class ReferenceKernels:
         """The step's attention output [nnz_q, Hq, D] in q's dtype, NaN where no query is.
         In batches as the fp32 reference's (`refgroups`): the gen rows together, each context
         row alone. One batch padded to the step's widest row and longest table made every decode
-        row compute a prompt's queries: 6 of the default scenario's 6 minutes."""
+        row compute a prompt chunk's queries: `make run`'s trace took 364 s to replay, 163-179 s
+        now (docs/gpu.md, round 21)."""
         idx, slot = self._physical(pool, reads, "attention")
         out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # as the GPU's out= buffer
         gen = np.flatnonzero(~b.is_ctx)

@@ -27,10 +27,10 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from sim.cli.common import err_console
 from sim.errors import KvsimError
 
 _FIRST_BAD = 10
-_ERR = Console(stderr=True)
 
 
 def register(app: typer.Typer) -> None:
@@ -119,8 +119,8 @@ def _progress(trace_dir: Path) -> Iterator[tuple[Progress, TaskID]]:
     except (OSError, ValueError, KeyError, TypeError):
         total = None  # run_replay says what is wrong with the trace
     with Progress(TextColumn("replaying {task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("steps"), TimeElapsedColumn(), console=_ERR, transient=True,
-                  disable=not _ERR.is_terminal) as bar:
+                  TextColumn("steps"), TimeElapsedColumn(), console=err_console, transient=True,
+                  disable=not err_console.is_terminal) as bar:
         yield bar, bar.add_task(trace_dir.name, total=total)
 
 

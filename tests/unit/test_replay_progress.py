@@ -19,7 +19,7 @@ def test_the_replay_shows_its_steps_on_a_terminal(tmp_path: Path, monkeypatch: p
     trace = SCENARIOS["clean_mtp"](tmp_path / "t")
     err = io.StringIO()
     console = Console(file=err, force_terminal=terminal, color_system=None, width=100)
-    monkeypatch.setattr(replay_cmd, "_ERR", console)
+    monkeypatch.setattr(replay_cmd, "err_console", console)
     res = replay_cmd._run(trace, "reference", False, None, "incremental")
     assert res.ok
     steps = len(res.rows) and max(r.step for r in res.rows) + 1

@@ -7,8 +7,7 @@ requests, 2,032 steps, 11,933 rows), written first under --work. This is what a 
 GPU waits for, and what CI's replay tests run on. --steps N replays the first N steps only
 (a quicker figure; the steps differ in cost: the prompts are spread over the run). Reports the
 median wall of --reps replays, the first included (numba's compiled preparation loads from
-its cache), steps/s and rows/s, and the verdict counts (they must not
-change with speed work).
+its cache), steps/s and rows/s, and the verdict counts (they must not change with speed work).
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from environment import ROOT, environment
+from environment import ROOT, environment, positive
 
 sys.path.insert(0, str(ROOT))
 
@@ -39,13 +38,6 @@ def _default_trace(work: Path) -> Path:
         sc, base = load_scenario(ROOT / "scenarios" / "default.toml")
         run(sc, out=out, base_dir=base)
     return out
-
-
-def _positive(text: str) -> int:
-    n = int(text) if text.strip().isdigit() else 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
-    return n
 
 
 def measure(path: Path, steps: int | None, reps: int) -> dict[str, Any]:
@@ -73,8 +65,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[2:]))
     ap.add_argument("trace", nargs="?", type=Path, help="a trace directory (default: make run's)")
-    ap.add_argument("--steps", type=_positive, help="replay the first N steps only")
-    ap.add_argument("--reps", type=_positive, default=1, help="replays (default 1)")
+    ap.add_argument("--steps", type=positive, help="replay the first N steps only")
+    ap.add_argument("--reps", type=positive, default=1, help="replays (default 1)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvsim-cpu-replay"),
                     help="where the default trace is written")
     ap.add_argument("--json", type=Path, help="write the result here")

@@ -1,10 +1,12 @@
-"""What every benchmark result records next to its figures: when, where, with what.
+"""What every benchmark result records next to its figures: when, where, with what; and the
+argument type the bench scripts share (`positive`).
 
 Imported by the bench scripts (run as `python bench/X.py`, so this directory is on sys.path).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import subprocess
@@ -51,3 +53,11 @@ def environment() -> dict:
             "cpu": _cpu_model(), "cpus": os.cpu_count(),
             "load_avg_1m": round(os.getloadavg()[0], 2),
             "versions": {p: _version(p) for p in PACKAGES}}
+
+
+def positive(text: str) -> int:
+    """argparse type: a whole number of 1 or more, else a usage error saying so."""
+    n = int(text) if text.strip().lstrip("-").isdigit() else 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
+    return n

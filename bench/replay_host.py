@@ -55,7 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from environment import ROOT, environment
+from environment import ROOT, environment, positive
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
@@ -220,21 +220,14 @@ def _read_before(ap: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
     return before
 
 
-def _positive(text: str) -> int:
-    n = int(text) if text.strip().lstrip("-").isdigit() else 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of 1 or more")
-    return n
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="\n".join(__doc__.split("\n")[2:]))
     ap.add_argument("--sweep", default="64x2048,64x8192,128x8192", metavar="BxKV,...",
                     help="batch x kv_len of the benchmark trace (default %(default)s)")
-    ap.add_argument("--steps", type=_positive, default=96, help="generation steps (default 96)")
-    ap.add_argument("--reps", type=_positive, default=5,
+    ap.add_argument("--steps", type=positive, default=96, help="generation steps (default 96)")
+    ap.add_argument("--reps", type=positive, default=5,
                     help="timed passes per figure (default 5)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/kvsim-replay-host"),
                     help="where the benchmark traces are written")

@@ -60,3 +60,22 @@ def test_event_ops_is_the_per_event_loop(tmp_path: Path, monkeypatch: pytest.Mon
     else:
         assert flight.before_step
     assert "nan" in kinds
+
+
+@pytest.mark.parametrize("name", ["default40", "double_free", "free_in_flight"])
+def test_in_flight_poison_reads_the_groups_in_any_order(tmp_path: Path, name: str) -> None:
+    # the events come as their (step, phase) groups' concatenation when those are in seq order
+    # (a simulator's trace), sorted by seq when not: both give what sorting them all gives
+    from dataclasses import replace
+
+    path = _default_small(tmp_path) if name == "default40" else fault_trace(tmp_path, name)
+    trace = load_trace(path)
+    groups = list(trace.events.items())
+    assert events._by_seq(trace) == sorted((e for _, g in groups for e in g),
+                                           key=lambda e: e.seq)
+    shuffled = replace(trace, events=dict(groups[::-1]))
+    assert events._by_seq(shuffled) == events._by_seq(trace)
+    assert any(e.event == "done" for _, g in groups for e in g)  # the windows are looked at
+    want = in_flight_poison(trace)
+    assert name == "default40" or want.before_step or want.double_free
+    assert in_flight_poison(shuffled) == want

@@ -8,7 +8,7 @@ The steps (those with rows) are cut into chunks: chunk 0, the loop's own while t
 is the prompts' step (whose arrays cost more to ship than to build: ~0.3 s before the first
 generation step at batch 128 x kv 8k), then chunks of 1, 2, ... up to `prepare.CHUNK_STEPS`
 steps (`_chunk`), worker w's those c >= 1 with (c - 1) % N == w (`_owner`).
-A chunk's preparation needs the host state of the steps before it (block refcounts, truth
+A chunk's preparation needs the host state of the steps before it (shared blocks, truth
 slots, the last step's rewind), so every worker walks every step, the other workers' ones
 cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is its staged words
 (`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields with the batch as

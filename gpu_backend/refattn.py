@@ -153,13 +153,8 @@ def _content_kernel(TOK, POS, A, P, C, KV, QO, TR, SLOT, TPOS, n, N, turn, st_c,
     p = tl.load(P + blk * N + i, mask=inside)
     c = tl.load(C + blk * N + i, mask=inside)
     # float64 integer arithmetic, exact below 2^53 (pool.content_blocks): any order, fma or not,
-    # gives the bits of torch's addcmul. The remainder by M too: ph < 3 M^2, so ph / M is off
-    # by far less than 1 and the floor at most by 1, which the two wheres mend; every other step
-    # is exact. libdevice's fmod reduces bit by bit: ~0.7x this kernel's time
-    ph = c + tl.load(TOK + t) * a + tl.load(POS + t) * p
-    ph = ph - tl.floor(ph * (1.0 / 1000003.0)) * 1000003.0
-    ph = tl.where(ph < 0.0, ph + 1000003.0, ph)
-    ph = tl.where(ph >= 1000003.0, ph - 1000003.0, ph)
+    # and fmod give the bits of torch's addcmul/remainder
+    ph = (c + tl.load(TOK + t) * a + tl.load(POS + t) * p) % 1000003.0
     x = libdevice.sin(ph.to(tl.float32) * turn)  # __nv_sinf: CUDA's sinf, as torch's sin
     t64 = t.to(tl.int64)
     if blk >= 2:  # Q, in the kernels' [n, heads, D] layout (head = (blk - 2) * H_kv + h)

@@ -98,14 +98,12 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
     q = q if q.stride(-1) == 1 else q.contiguous()
     limit = limit if limit.stride(-1) == 1 else limit.contiguous()
     out = torch.empty((R, W, Hq, D), dtype=torch.float32, device=q.device)
-    long = g * W >= LONG and D <= 128
-    bm = 128 if long else 16 if g * W <= 16 else 32 if g * W <= 32 else 64
+    bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
     grid = (R * hkv, triton.cdiv(g * W, bm))
-    launch = _attend_long if long else _attend
-    launch(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
-           kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
-           out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
-           BLOCK_N=64)
+    _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
+            out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
+            BLOCK_N=64)
     return out
 
 
@@ -191,15 +189,7 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
 
 
 # num_stages 2, not 3: bit-identical output, 12% less device time at kv 2k-8k, the same at
-# batch 256 kv 8k (36 configs timed on the H200, docs/gpu.md round 5; 3 stages 1.16x slower on
-# round 22's verify step)
+# batch 256 kv 8k (36 configs timed on the H200, docs/gpu.md round 5)
 _attend = Launcher(_attend_kernel, num_warps=4, num_stages=2)
-# Long runs of queries (prompts, prefill chunks: G * W >= LONG) in tiles of 128 on 8 warps, 3
-# stages. Bit for bit the 64-query tiles' output: a query's keys come in the same blocks, and a
-# block wholly past its limit leaves its state exactly as it was. Device time on the H200 (round
-# 22, docs/gpu.md): 0.84x on 64 prompts of 8k, 0.88x at 2k, 0.86x on a 512-query chunk after
-# 7.7k keys. D > 128 keeps the small tiles: 3 stages of 128-wide tiles outgrow shared memory.
-LONG = 512
-_attend_long = Launcher(_attend_kernel, num_warps=8, num_stages=3)
 _token_err = Launcher(_token_err_kernel, num_warps=4)
 _content = Launcher(_content_kernel, num_warps=4)

@@ -150,34 +150,6 @@ def test_reference_kernel_on_causal_prompts(fused: ModuleType) -> None:
     assert torch.equal(out[:, 0], kv[1, slots, :, 0].float().repeat_interleave(Hq // Hkv, 1))
 
 
-@pytest.mark.parametrize(("R", "W", "start", "Hq", "Hkv"), [
-    (2, 1000, 0, 32, 8),  # causal prompts: tiles of 128 that span two heads
-    (3, 600, 2000, 32, 8),  # prefill chunks after a prefix
-    (4, 128, 0, 32, 8),  # G * W == LONG
-    (2, 300, 50, 12, 2),  # GQA 6
-])
-def test_long_query_tiles_are_bitwise_the_short_ones(fused: ModuleType,
-                                                     monkeypatch: pytest.MonkeyPatch, R: int,
-                                                     W: int, start: int, Hq: int,
-                                                     Hkv: int) -> None:
-    g = torch.Generator(device=DEV).manual_seed(W + start)
-    D, L = 128, start + W
-    kv = (torch.rand(2, R + 1, Hkv, L, D, device=DEV, generator=g) * 2 - 1).bfloat16()
-    q = ((torch.rand(R, W, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
-    slots = torch.randperm(R + 1, device=DEV, generator=g)[:R]
-    limit = (start + torch.arange(W, device=DEV))[None, :].repeat(R, 1)
-    tiles: list[int] = []
-    real = fused._attend_long
-    monkeypatch.setattr(fused, "_attend_long",
-                        lambda *a, **k: (tiles.append(k["BLOCK_M"]), real(*a, **k)))
-    long = [fused.attend(q, kv, slots, limit, L) for _ in range(2)]  # compile, then direct
-    assert tiles == [128, 128]
-    monkeypatch.setattr(fused, "LONG", 1 << 62)
-    short = fused.attend(q, kv, slots, limit, L)
-    assert tiles == [128, 128]
-    assert torch.equal(long[0], short) and torch.equal(long[1], short)
-
-
 def test_reference_kernel_on_a_misaligned_query_view(fused: ModuleType) -> None:
     # Launcher keys on 16-byte alignment: a view 2 bytes in must not reuse the aligned kernel
     g = torch.Generator(device=DEV).manual_seed(7)

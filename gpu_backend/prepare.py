@@ -13,7 +13,7 @@ The step loop (`driver.replay`) then only launches device work: no numpy, no hos
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 
@@ -95,22 +95,24 @@ class HostState:
 
 def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
     """(slots, span, last step of each request): the truth store holds the live requests'
-    contiguous K/V; a request keeps its slot from its first row to its last row."""
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    span = 1
-    for step in sorted(trace.rows):
-        for r in trace.rows[step]:
-            span = max(span, r.committed + r.q_len)
-            first.setdefault(r.request, step)
-            last[r.request] = step
-    starts, ends = Counter(first.values()), Counter(last.values())
-    live = peak = 0
-    for step in sorted(trace.rows):
-        live += starts[step]
-        peak = max(peak, live)
-        live -= ends[step]
-    return max(peak, 1), span, last
+    contiguous K/V; a request keeps its slot from its first row to its last row. Over the
+    trace's row columns (a loop over its rows took 3.5-5 ms of a replay's start at 64 x 2k and
+    128 x 8k, 96 steps)."""
+    steps = sorted(trace.rows)
+    cols = [trace.columns[s] for s in steps]
+    req = np.concatenate([c["request"] for c in cols]) if cols else np.zeros(0, np.int64)
+    if not len(req):
+        return 1, 1, {}
+    span = max(1, int(max((c["committed"] + c["q_len"]).max(initial=0) for c in cols)))
+    at = np.repeat(np.arange(len(steps)), [len(c["request"]) for c in cols])  # step positions
+    ids, first = np.unique(req, return_index=True)  # steps rise: a request's first row first
+    last = len(req) - 1 - np.unique(req[::-1], return_index=True)[1]
+    # live at each step: started by it, less ended before it
+    live = np.cumsum(np.bincount(at[first], minlength=len(steps))) - \
+        np.concatenate([[0], np.cumsum(np.bincount(at[last], minlength=len(steps)))[:-1]])
+    last_step = np.asarray(steps)[at[last]]
+    return max(int(live.max()), 1), span, dict(zip(ids.tolist(), last_step.tolist(),
+                                                   strict=True))
 
 
 def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str,

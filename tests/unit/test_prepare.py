@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from replay_traces import SCENARIOS, big_verify
+from replay_traces import FAULTS, SCENARIOS, Builder, any_trace, big_verify, prompt
 
 from gpu_backend import prepare, refgroups, tracedata
 from gpu_backend.driver import GUARD_PAGES, replay
@@ -182,3 +182,55 @@ def test_advance_rewinds_as_prepare_does(tmp_path: Path, name: str) -> None:
                 np.testing.assert_array_equal(x, y)
     if name in ("clean_mtp", "overlap_uncorrected"):
         assert drafts  # the scenarios reject drafts: both ways were compared
+
+
+def _truth_shape_rows(trace: TraceData) -> tuple[int, int, dict[int, int]]:
+    """truth_shape as it was, a loop over the rows: the oracle."""
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    span = 1
+    for step in sorted(trace.rows):
+        for r in trace.rows[step]:
+            span = max(span, r.committed + r.q_len)
+            first.setdefault(r.request, step)
+            last[r.request] = step
+    starts, ends = Counter(first.values()), Counter(last.values())
+    live = peak = 0
+    for step in sorted(trace.rows):
+        live += starts[step]
+        peak = max(peak, live)
+        live -= ends[step]
+    return max(peak, 1), span, last
+
+
+def _default40(tmp: Path) -> Path:
+    """`make run`'s scenario at 40 requests: requests start and end at many steps."""
+    from replay_traces import ROOT
+
+    from sim.api import load_scenario, run
+
+    sc, base = load_scenario(ROOT / "scenarios" / "default.toml")
+    wl = sc.workload.synthetic.model_copy(update={"num_requests": 40})
+    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"synthetic": wl})})
+    run(sc, out=tmp / "default40", base_dir=base)
+    return tmp / "default40"
+
+
+@pytest.mark.parametrize("name", ["default40", *SCENARIOS, *FAULTS[:6]])
+def test_truth_shape_is_the_loop_over_rows(tmp_path: Path, name: str) -> None:
+    trace = load_trace(_default40(tmp_path) if name == "default40" else any_trace(tmp_path, name))
+    got = truth_shape(trace)
+    assert got == _truth_shape_rows(trace)
+    assert got[0] >= 1 and got[2]
+
+
+def test_truth_shape_counts_a_request_live_at_its_last_step(tmp_path: Path) -> None:
+    # request 0's last row and request 1's first are in step 1: both hold a slot there
+    b = Builder()
+    b.request(0, prompt(0, 20))
+    b.request(1, prompt(1, 20))
+    b.step([b.ctx(0)])
+    b.step([b.gen(0, 0, 0), b.ctx(1)])
+    b.step([b.gen(1, 0, 0)])
+    trace = load_trace(b.write(tmp_path / "handover", "handover"))
+    assert truth_shape(trace) == _truth_shape_rows(trace) == (2, 21, {0: 1, 1: 2})

@@ -251,6 +251,19 @@ def fault_trace(tmp: Path, fault: str) -> Path:
     return tmp / fault
 
 
+def default_small(tmp: Path, requests: int = 40) -> Path:
+    """`make run`'s scenario at `requests` requests, written under tmp: partial-copy reuse (slot
+    copies) under pressure, requests starting and ending at many steps."""
+    from sim.api import load_scenario, run
+
+    sc, base = load_scenario(ROOT / "scenarios" / "default.toml")
+    wl = sc.workload.synthetic.model_copy(update={"num_requests": requests})
+    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"synthetic": wl})})
+    out = tmp / f"default{requests}"
+    run(sc, out=out, base_dir=base)
+    return out
+
+
 def any_trace(tmp: Path, name: str) -> Path:
     """A replay scenario's trace or a fault's, by name."""
     return SCENARIOS[name](tmp / name) if name in SCENARIOS else fault_trace(tmp, name)

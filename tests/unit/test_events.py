@@ -8,29 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from replay_traces import ROOT, fault_trace
+from replay_traces import default_small, fault_trace
 
 from gpu_backend import events
 from gpu_backend.events import event_ops, event_ops_loop, in_flight_poison
 from gpu_backend.tracedata import load_trace
 
 
-def _default_small(tmp: Path) -> Path:
-    """`make run`'s scenario at 40 requests: partial-copy reuse (slot copies) under pressure."""
-    from sim.api import load_scenario, run
-
-    sc, base = load_scenario(ROOT / "scenarios" / "default.toml")
-    wl = sc.workload.synthetic.model_copy(update={"num_requests": 40})
-    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"synthetic": wl})})
-    run(sc, out=tmp / "default40", base_dir=base)
-    return tmp / "default40"
-
-
 @pytest.mark.parametrize("name", ["default40", "double_free", "free_in_flight"])
 def test_event_ops_is_the_per_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                          name: str) -> None:
     monkeypatch.setattr(events, "LOOP_EVENTS", 0)  # every step as arrays, however few events
-    path = _default_small(tmp_path) if name == "default40" else fault_trace(tmp_path, name)
+    path = default_small(tmp_path) if name == "default40" else fault_trace(tmp_path, name)
     trace = load_trace(path)
     flight = in_flight_poison(trace)
     rc_fast: dict[int, int] = {}
@@ -68,7 +57,7 @@ def test_in_flight_poison_reads_the_groups_in_any_order(tmp_path: Path, name: st
     # (a simulator's trace), sorted by seq when not: both give what sorting them all gives
     from dataclasses import replace
 
-    path = _default_small(tmp_path) if name == "default40" else fault_trace(tmp_path, name)
+    path = default_small(tmp_path) if name == "default40" else fault_trace(tmp_path, name)
     trace = load_trace(path)
     groups = list(trace.events.items())
     assert events._by_seq(trace) == sorted((e for _, g in groups for e in g),

@@ -10,7 +10,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from replay_traces import FAULTS, SCENARIOS, Builder, any_trace, big_verify, prompt
+from replay_traces import (
+    FAULTS,
+    SCENARIOS,
+    Builder,
+    any_trace,
+    big_verify,
+    default_small,
+    prompt,
+)
 
 from gpu_backend import prepare, refgroups, tracedata
 from gpu_backend.driver import GUARD_PAGES, replay
@@ -203,22 +211,10 @@ def _truth_shape_rows(trace: TraceData) -> tuple[int, int, dict[int, int]]:
     return max(peak, 1), span, last
 
 
-def _default40(tmp: Path) -> Path:
-    """`make run`'s scenario at 40 requests: requests start and end at many steps."""
-    from replay_traces import ROOT
-
-    from sim.api import load_scenario, run
-
-    sc, base = load_scenario(ROOT / "scenarios" / "default.toml")
-    wl = sc.workload.synthetic.model_copy(update={"num_requests": 40})
-    sc = sc.model_copy(update={"workload": sc.workload.model_copy(update={"synthetic": wl})})
-    run(sc, out=tmp / "default40", base_dir=base)
-    return tmp / "default40"
-
-
 @pytest.mark.parametrize("name", ["default40", *SCENARIOS, *FAULTS[:6]])
 def test_truth_shape_is_the_loop_over_rows(tmp_path: Path, name: str) -> None:
-    trace = load_trace(_default40(tmp_path) if name == "default40" else any_trace(tmp_path, name))
+    path = default_small(tmp_path) if name == "default40" else any_trace(tmp_path, name)
+    trace = load_trace(path)
     got = truth_shape(trace)
     assert got == _truth_shape_rows(trace)
     assert got[0] >= 1 and got[2]

@@ -136,7 +136,6 @@ def event_ops_loop(trace: TraceData, step: int, guard: int, refcount: dict[int, 
     return ops, touched
 
 
-
 def _by_seq(trace: TraceData) -> list[BlockEvent]:
     """Every block event in seq order. The (step, phase) groups hold theirs in seq order, and a
     simulator's trace lists the groups in seq order too: then this is their concatenation

@@ -9,6 +9,9 @@ it. This bench times that host work without a device, on the same benchmark trac
 the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per generation step
 (the prompts' step left out):
 
+- start: what `driver.replay` does on the host before it prepares the prompts' step and that
+  the device does not wait on (`prepare.truth_shape`, the `HostState`, `in_flight_poison`), in
+  ms: serial before anything runs, like the prompt's;
 - prompt: `prepare.prepare_step` on the prompts' step, in ms (the loop prepares it before
   anything runs: at batch 64 it is tens of ms of a whole replay, `bench/gpu_replay.py`'s
   `whole`);
@@ -87,6 +90,14 @@ def _prepare_pass(trace: TraceData) -> float:
         prepare.prepare_step(st, s, trace.rows[s.step], flight, staging.Chunk("cpu"))
         spent.append(time.perf_counter() - t0)
     return sum(spent[1:]) / max(len(spent) - 1, 1) * 1e6
+
+
+def _start_pass(trace: TraceData) -> float:
+    """ms of the replay's host start before the prompts' step (`driver._replay`, the device's
+    allocations aside)."""
+    t0 = time.perf_counter()
+    _state(trace), in_flight_poison(trace)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _prompt_pass(trace: TraceData) -> float:
@@ -197,7 +208,8 @@ def _measure_into(send: Any, trace: TraceData, reps: int, kept: bool) -> None:
 
 
 def _measure(trace: TraceData, reps: int) -> dict[str, float]:
-    out = {"prompt_ms": _median(lambda: _prompt_pass(trace), reps),
+    out = {"start_ms": _median(lambda: _start_pass(trace), reps),
+           "prompt_ms": _median(lambda: _prompt_pass(trace), reps),
            "prepare_us": _median(lambda: _prepare_pass(trace), reps),
            "walk_us": _median(lambda: _walk_pass(trace), reps),
            "first_walk_us": _median(lambda: _first_walk_pass(trace), reps)}

@@ -96,7 +96,8 @@ def _start_pass(trace: TraceData) -> float:
     """ms of the replay's host start before the prompts' step (`driver._replay`, the device's
     allocations aside)."""
     t0 = time.perf_counter()
-    _state(trace), in_flight_poison(trace)
+    _state(trace)
+    in_flight_poison(trace)
     return (time.perf_counter() - t0) * 1e3
 
 

@@ -47,6 +47,7 @@ def event_ops(trace: TraceData, step: int, guard: int, refcount: dict[int, int] 
     for c in cols:
         live = c.code != _DONE
         code, block, seq, src = c.code[live], c.block[live], c.seq[live], c.src[live]
+        ntok = c.num_tokens[live]
         _hold(refcount, shared, block, c.refcount[live])
         poison = (code == _ALLOC) | (code == _EVICT)
         if flight.double_free:
@@ -60,7 +61,7 @@ def event_ops(trace: TraceData, step: int, guard: int, refcount: dict[int, int] 
             run.append(pages[lo:hi])
             flush()
             ops.append(("copy", int(block[i]) + g, int(src[i]) + g,
-                        int(c.num_tokens[live][i]) or trace.model.page_size))
+                        int(ntok[i]) or trace.model.page_size))
             touched.append(block[i:i + 1] + g)
             lo = hi
         run.append(pages[lo:])

@@ -230,3 +230,35 @@ def test_truth_shape_counts_a_request_live_at_its_last_step(tmp_path: Path) -> N
     b.step([b.gen(1, 0, 0)])
     trace = load_trace(b.write(tmp_path / "handover", "handover"))
     assert truth_shape(trace) == _truth_shape_rows(trace) == (2, 21, {0: 1, 1: 2})
+
+
+@pytest.mark.parametrize("name", sorted(SCENARIOS))
+def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          name: str) -> None:
+    """The replay's first step stages no poison before its first copy (`prepare._fresh_pool`:
+    the pool starts all NaN), later steps keep theirs, and the verdicts are those of a replay
+    that poisons it."""
+    t = load_trace(SCENARIOS[name](tmp_path / name))
+    m = t.model
+    real = prepare.prepare_step
+
+    def run() -> tuple[list[tuple[Any, ...]], list[list[Any]]]:
+        ops: list[list[Any]] = []
+
+        def kept(*a: Any) -> Prepared:
+            p = real(*a)
+            ops.append(p.ops)
+            return p
+
+        monkeypatch.setattr(prepare, "prepare_step", kept)
+        res = replay(t, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
+        return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows], ops
+
+    want, ops = run()
+    assert not ops[0] or ops[0][0][0] != "nan"
+    monkeypatch.setattr(prepare, "_fresh_pool", lambda ops, arrays: ops)
+    got, poisoned = run()
+    assert got == want
+    assert ops[1:] == poisoned[1:]
+    assert poisoned[0][0][0] == "nan"  # every scenario allocates its first step's pages

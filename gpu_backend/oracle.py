@@ -148,24 +148,36 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
     out: torch.Tensor | None = None
     for g in groups:
         pre = g.pre
-        qg = q.view(g.R, g.W, Hq, D) if g.identity else q[dv[pre + "tok"]]
-        if fused is not None:
-            o = fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L)
-        else:  # consecutive slots: views, no gather
-            sel = slice(g.s0, g.s0 + g.R) if g.s0 >= 0 else dv[pre + "slots"]
-            k, v = truth.kv[0, sel, :, : g.L], truth.kv[1, sel, :, : g.L]
-            o = attend(qg, k, v, dv[pre + "limit"], g.lo)
-        o = o.reshape(g.R * g.W, Hq, D)
-        if g.identity:
-            return o
+        if g.view:  # the group's tokens in order: q and the output as views (`RefGroup.view`)
+            at = slice(g.span[0], g.span[0] + g.R * g.W) if g.span is not None else slice(0, n)
+            qg = q[at].view(g.R, g.W, Hq, D)
+        else:
+            qg = q[dv[pre + "tok"]]
+        if g.identity and fused is None:
+            return attend_group(truth, dv, g, qg).reshape(n, Hq, D)
         if out is None:
             out = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
+        if fused is not None and g.view:  # written in place
+            fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L,
+                         out=out[at].view(g.R, g.W, Hq, D))
+            continue
+        o = (fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L)
+             if fused is not None else attend_group(truth, dv, g, qg)).reshape(g.R * g.W, Hq, D)
         if g.span is not None:
             out[g.span[0]: g.span[1]] = o[: g.span[1] - g.span[0]]
         else:
             out.index_copy_(0, dv[pre + "dst"], o.index_select(0, dv[pre + "src"]))
     assert out is not None, "a step without rows has no reference"
     return out
+
+
+def attend_group(truth: TruthStore, dv: StepArrays, g: RefGroup, qg: torch.Tensor
+                 ) -> torch.Tensor:
+    """`attend` of one group's queries over its truth K/V (consecutive slots: views, no
+    gather)."""
+    sel = slice(g.s0, g.s0 + g.R) if g.s0 >= 0 else dv[g.pre + "slots"]
+    k, v = truth.kv[0, sel, :, : g.L], truth.kv[1, sel, :, : g.L]
+    return attend(qg, k, v, dv[g.pre + "limit"], g.lo)
 
 
 def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ class RefGroup:
     s0 >= 0: their truth slots are s0.. s0+R-1 (views, no gather). Keys below `lo` are visible
     to every query (only [lo, L) is masked). identity: the group is the whole step in token
     order (q and the output need no gather); else `span` = (start, stop) when its tokens are one
-    contiguous run in order, or None (index arrays `{pre}src`/`{pre}dst`)."""
+    contiguous run in order, or None (index arrays `{pre}src`/`{pre}dst`). The queries are
+    `{pre}tok` gathered, or a view of the step's (`view`)."""
     pre: str
     R: int
     W: int
@@ -26,6 +27,14 @@ class RefGroup:
     lo: int
     identity: bool
     span: tuple[int, int] | None
+
+    @property
+    def view(self) -> bool:
+        """The group's queries and outputs are the step's own in order, [R * W] from span[0]:
+        no `{pre}tok` gather, and the reference writes the step's output in place. A context
+        row's group (a prompts' step has one a row: 64 gathers and 64 copies of its 2k
+        queries' outputs at 64 x 2k)."""
+        return self.identity or (self.R == 1 and self.span is not None)
 
 
 def ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
@@ -55,7 +64,9 @@ def ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
         dst, src = tok[vr, vj], vr * W + vj
         identity = len(rows) == b.num_rows and bool(np.all(ql == W))
         run = bool(np.all(src == np.arange(len(src))) and np.all(np.diff(dst) == 1))
-        arrays |= {pre + "limit": limit, pre + "tok": tok, pre + "slots": sl}
+        arrays |= {pre + "limit": limit, pre + "slots": sl}
+        if not (identity or (run and len(rows) == 1)):  # else the queries are a view (`view`)
+            arrays[pre + "tok"] = tok
         if not run:
             arrays |= {pre + "src": src, pre + "dst": dst}
         out.append(RefGroup(pre, len(rows), W, int((b.committed[rows] + ql).max()),
@@ -71,8 +82,7 @@ def _single_row_group(b: StepBatch, r: int, slots: np.ndarray, arrays: dict[str,
     one per row: the general arithmetic took ~55 µs a row on a development machine."""
     W, c, q0 = int(b.q_len[r]), int(b.committed[r]), int(b.qo_indptr[r])
     j = np.arange(W, dtype=np.int64)
-    arrays |= {pre + "limit": (c + j)[None, :], pre + "tok": (q0 + j)[None, :],
-               pre + "slots": slots[r: r + 1]}
+    arrays |= {pre + "limit": (c + j)[None, :], pre + "slots": slots[r: r + 1]}
     return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W))
 
 
@@ -83,6 +93,6 @@ def _identity_group(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarra
     j = np.arange(W)
     limit = b.committed[:, None] + j[None, :]
     consecutive = R == 1 or bool((np.diff(slots) == 1).all())
-    arrays |= {"g0_limit": limit, "g0_tok": np.arange(R * W).reshape(R, W), "g0_slots": slots}
+    arrays |= {"g0_limit": limit, "g0_slots": slots}
     return RefGroup("g0_", R, W, int(b.committed.max()) + W, int(slots[0]) if consecutive else -1,
                     int(limit.min()) + 1, True, (0, R * W))

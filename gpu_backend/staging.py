@@ -42,9 +42,9 @@ class Chunk:
         if pad:
             self.parts.append(_ZEROS[:pad])
         off = self.n + pad
-        if a.ndim == 1:  # most arrays: one conversion, no stride arithmetic (~1 µs less each)
-            self.parts.append(a.view(np.int64) if a.dtype == np.float64 else
-                              a.astype(np.int64, copy=False))
+        if a.ndim == 1:  # most arrays: no stride arithmetic (~1 µs less each), and int32 and
+            # bool ones are widened by the one concatenation into the buffer, not copied here
+            self.parts.append(a.view(np.int64) if a.dtype == np.float64 else _integral(a))
             self.n = off + a.shape[0]
             return a.shape, (1,), off
         a = np.ascontiguousarray(a)
@@ -58,13 +58,14 @@ class Chunk:
     def upload(self) -> None:
         h64 = self.pinned(max(self.n, 1))
         if self.parts:
-            np.concatenate(self.parts, out=h64.numpy()[: self.n])
+            np.concatenate(self.parts, out=h64.numpy()[: self.n], casting="safe")
         self.load(h64)
 
     def words(self) -> np.ndarray:
         """The queued arrays as the one int64 buffer `upload` would copy (a worker process
         ships it: `gpu_backend.workers`)."""
-        return np.concatenate(self.parts) if self.parts else np.zeros(1, dtype=np.int64)
+        return np.concatenate(self.parts, dtype=np.int64, casting="safe") if self.parts else \
+            np.zeros(1, dtype=np.int64)
 
     def read(self, fd: int, n: int) -> torch.Tensor:
         """n words read from the pipe `fd` (`words` written by a worker) straight into a pinned
@@ -188,6 +189,12 @@ def _packed(names: tuple[str, ...], table: bytes, other: dict[str, Slot]) -> Pac
 def _positions(names: tuple[str, ...]) -> dict[str, int]:
     """name -> row of a step's slot table (steps of one replay share a few layouts)."""
     return {k: i for i, k in enumerate(names)}
+
+
+def _integral(a: np.ndarray) -> np.ndarray:
+    """a, whose values int64 holds exactly (the concatenation widens it: casting "safe"); else
+    a as int64, as `astype` converts it (uint64 words)."""
+    return a if np.can_cast(a.dtype, np.int64) else a.astype(np.int64)
 
 
 def stage(chunk: Chunk, arrays: dict[str, np.ndarray]) -> StepArrays:

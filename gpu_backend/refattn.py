@@ -9,14 +9,10 @@ softmax, the hi/lo split), more than four times the kernels it checks. Here one 
 (row, kv head, tile of queries) streams the row's truth K/V once (online softmax), so the
 device reads each K/V byte once and the host queues one launch.
 
-Precision: Q·Kᵀ on the tensor cores from the bf16/fp16 values with fp32 accumulation (every
-product exact in fp32), softmax in fp32, then P·V as one fp16 product with fp32 accumulation: P
-in [0, 1] keeps 11 bits (FlashInfer's own P has bf16's 8), and V, the content's sine (|V| <= 1,
-`pool.content_kv_q`), converts from bf16 exactly down to 2^-14 (below, within 2^-25). So an
-output is within 2^-11 max|V| (4.9e-4) of fp32 attention, plus 2^-25 a key, at worst; typically
-~1e-5. `P_SPLIT` keeps round 22's `oracle.attend` precision instead (P as bf16 hi + lo, two P·V
-products, ~16 bits: ~2e-6 from fp64) for a third more tensor-core work. Either way the error is
-far inside the tolerance (2e-2, against bf16 output noise up to 7e-3: docs/gpu.md).
+Precision is `oracle.attend`'s: Q·Kᵀ on the tensor cores from the bf16/fp16 values with fp32
+accumulation (every product exact in fp32), softmax in fp32, and P split into hi + lo halves of
+V's dtype for two P·V products (P keeps ~16 bits). The online rescaling adds fp32 rounding
+only (checked against fp64 on the H200: docs/gpu.md).
 
 Masking: query j of row r sees keys 0..limit[r, j], limit non-decreasing in j (causal rows);
 keys past the last limit of a program's tile of queries are not visited at all (exp(-inf) is
@@ -43,8 +39,7 @@ from gpu_backend.tlaunch import Launcher
 @triton.jit
 def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
                    so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
-                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)  # row * HKV + kv head
     r = pid // HKV
     h = pid % HKV
@@ -76,12 +71,9 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, 1)
         v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
-        if SPLIT:
-            p_hi = p.to(v.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        p_hi = p.to(v.dtype)
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
         m = m_new
     o = acc / den[:, None]
     tl.store(OUT + r * so_r + w[:, None] * so_w + head[:, None] * so_h + d[None, :], o,
@@ -96,27 +88,22 @@ def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.Tensor,
-           L: int, out: torch.Tensor | None = None) -> torch.Tensor:
+           L: int) -> torch.Tensor:
     """fp32 attention of q [R, W, Hq, D] over the truth store kv [2, slots, H_kv, span, D]:
     row r reads slot slots[r], keys 0..L-1, query j sees keys <= limit[r, j] (int64 [R, W]).
-    Returns [R, W, Hq, D] fp32 (`oracle.attend`'s result, one launch), written into `out` when
-    given (fp32 [R, W, Hq, D], last dim contiguous: a slice of the step's output)."""
+    Returns [R, W, Hq, D] fp32 (`oracle.attend`'s result, one launch)."""
     R, W, Hq, D = q.shape
     hkv = int(kv.shape[2])
     g = Hq // hkv
     q = q if q.stride(-1) == 1 else q.contiguous()
     limit = limit if limit.stride(-1) == 1 else limit.contiguous()
-    if out is None:
-        out = torch.empty((R, W, Hq, D), dtype=torch.float32, device=q.device)
-    elif out.shape != (R, W, Hq, D) or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
-                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
+    out = torch.empty((R, W, Hq, D), dtype=torch.float32, device=q.device)
     bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
     grid = (R * hkv, triton.cdiv(g * W, bm))
     _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
             kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
             out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
-            BLOCK_N=64, SPLIT=P_SPLIT)
+            BLOCK_N=64)
     return out
 
 
@@ -201,8 +188,6 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
     return kv, q
 
 
-# P·V as bf16 hi + lo (two products) instead of one fp16 product (module docstring)
-P_SPLIT = False
 # num_stages 2, not 3: bit-identical output, 12% less device time at kv 2k-8k, the same at
 # batch 256 kv 8k (36 configs timed on the H200, docs/gpu.md round 5)
 _attend = Launcher(_attend_kernel, num_warps=4, num_stages=2)

@@ -88,16 +88,21 @@ def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
 
 
 def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.Tensor,
-           L: int) -> torch.Tensor:
+           L: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 attention of q [R, W, Hq, D] over the truth store kv [2, slots, H_kv, span, D]:
     row r reads slot slots[r], keys 0..L-1, query j sees keys <= limit[r, j] (int64 [R, W]).
-    Returns [R, W, Hq, D] fp32 (`oracle.attend`'s result, one launch)."""
+    Returns [R, W, Hq, D] fp32 (`oracle.attend`'s result, one launch), written into `out` when
+    given (fp32 [R, W, Hq, D], last dim contiguous: a slice of the step's output)."""
     R, W, Hq, D = q.shape
     hkv = int(kv.shape[2])
     g = Hq // hkv
     q = q if q.stride(-1) == 1 else q.contiguous()
     limit = limit if limit.stride(-1) == 1 else limit.contiguous()
-    out = torch.empty((R, W, Hq, D), dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty((R, W, Hq, D), dtype=torch.float32, device=q.device)
+    elif out.shape != (R, W, Hq, D) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
+                         f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
     grid = (R * hkv, triton.cdiv(g * W, bm))
     _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),

@@ -164,6 +164,24 @@ def test_reference_kernel_on_a_misaligned_query_view(fused: ModuleType) -> None:
         assert (out.double() - ref).abs().max().item() < 6e-6
 
 
+def test_reference_kernel_writes_into_a_slice_of_the_steps_output(fused: ModuleType) -> None:
+    # `oracle.reference` hands a context row's group its slice of the step's output (out=):
+    # the same bits as a fresh output, nothing written outside the slice; a wrong out refused
+    g = torch.Generator(device=DEV).manual_seed(5)
+    W, Hq, Hkv, D = 300, 32, 8, 128
+    kv = (torch.rand(2, 2, Hkv, W, D, device=DEV, generator=g) * 2 - 1).bfloat16()
+    q = ((torch.rand(1, W, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
+    slots = torch.tensor([1], device=DEV)
+    limit = torch.arange(W, device=DEV)[None, :]
+    step = torch.full((W + 40, Hq, D), float("nan"), device=DEV)
+    got = fused.attend(q, kv, slots, limit, W, out=step[17: 17 + W].view(1, W, Hq, D))
+    assert got.data_ptr() == step[17].data_ptr()
+    assert _same(step[17: 17 + W], fused.attend(q, kv, slots, limit, W)[0])
+    assert step[:17].isnan().all() and step[17 + W:].isnan().all()
+    with pytest.raises(ValueError, match="out"):
+        fused.attend(q, kv, slots, limit, W, out=step[:W].view(1, W, Hq, D).bfloat16())
+
+
 # --- per-token errors: the torch path's values, NaN and inf included -----------------------
 
 def test_token_error_kernel_is_the_torch_path_with_nan_and_inf(fused: ModuleType,

@@ -191,10 +191,15 @@ def _positions(names: tuple[str, ...]) -> dict[str, int]:
     return {k: i for i, k in enumerate(names)}
 
 
+# dtypes whose values int64 holds exactly: the chunk's concatenation widens them ("safe")
+_WIDENED = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint32,
+                                           np.uint16, np.uint8, np.bool_))
+
+
 def _integral(a: np.ndarray) -> np.ndarray:
-    """a, whose values int64 holds exactly (the concatenation widens it: casting "safe"); else
-    a as int64, as `astype` converts it (uint64 words)."""
-    return a if np.can_cast(a.dtype, np.int64) else a.astype(np.int64)
+    """a as it is when int64 holds its values exactly, else a as int64, as `astype` converts it
+    (uint64 words). A set lookup: `np.can_cast` took ~1 µs an array, ~35 a generation step."""
+    return a if a.dtype in _WIDENED else a.astype(np.int64)
 
 
 def stage(chunk: Chunk, arrays: dict[str, np.ndarray]) -> StepArrays:

@@ -55,3 +55,22 @@ def test_span_is_where_a_view_reads() -> None:
         buf, off, n = dv.span(k)
         assert np.array_equal(buf[off: off + n].numpy(), arrays[k])
         assert buf.data_ptr() + 8 * off == dv[k].data_ptr() or n == 0
+
+
+def test_narrow_dtypes_are_staged_as_astype_would() -> None:
+    """int32, bool and the other narrow integers are widened by the chunk's concatenation,
+    not copied first (`staging._integral`); uint64 words and float32 still go through astype.
+    Both the upload and a worker's `words` give astype's int64 words."""
+    rng = np.random.default_rng(1)
+    arrays = {"i32": rng.integers(-(1 << 31), 1 << 31, 40).astype(np.int32),
+              "b": rng.integers(0, 2, 33).astype(bool), "u8": rng.integers(0, 256, 9, np.uint8),
+              "u64": np.array([0, 1, (1 << 64) - 1], np.uint64), "f32": np.array([1.5, -2.7],
+                                                                                np.float32),
+              "i64": rng.integers(-(1 << 62), 1 << 62, 5)}
+    chunk = Chunk("cpu")
+    dv = stage(chunk, arrays)
+    words = chunk.words()
+    chunk.upload()
+    assert words.dtype == np.int64 and np.array_equal(words, chunk.bufs["h64"].numpy())
+    for k, a in arrays.items():
+        assert np.array_equal(dv[k].numpy(), a.astype(np.int64)), k

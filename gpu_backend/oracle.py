@@ -157,12 +157,12 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
             return attend_group(truth, dv, g, qg).reshape(n, Hq, D)
         if out is None:
             out = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
-        if fused is not None and g.view:  # written in place
-            fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L,
-                         out=out[at].view(g.R, g.W, Hq, D))
+        into = out[at].view(g.R, g.W, Hq, D) if fused is not None and g.view else None
+        o = fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L, out=into) \
+            if fused is not None else attend_group(truth, dv, g, qg)
+        if into is not None:  # written in place
             continue
-        o = (fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L)
-             if fused is not None else attend_group(truth, dv, g, qg)).reshape(g.R * g.W, Hq, D)
+        o = o.reshape(g.R * g.W, Hq, D)
         if g.span is not None:
             out[g.span[0]: g.span[1]] = o[: g.span[1] - g.span[0]]
         else:

@@ -65,13 +65,14 @@ def ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
         identity = len(rows) == b.num_rows and bool(np.all(ql == W))
         run = bool(np.all(src == np.arange(len(src))) and np.all(np.diff(dst) == 1))
         arrays |= {pre + "limit": limit, pre + "slots": sl}
-        if not (identity or (run and len(rows) == 1)):  # else the queries are a view (`view`)
+        group = RefGroup(pre, len(rows), W, int((b.committed[rows] + ql).max()),
+                         int(sl[0]) if consecutive else -1, int(limit.min()) + 1, identity,
+                         (int(dst[0]), int(dst[-1]) + 1) if run else None)
+        if not group.view:
             arrays[pre + "tok"] = tok
         if not run:
             arrays |= {pre + "src": src, pre + "dst": dst}
-        out.append(RefGroup(pre, len(rows), W, int((b.committed[rows] + ql).max()),
-                            int(sl[0]) if consecutive else -1, int(limit.min()) + 1, identity,
-                            (int(dst[0]), int(dst[-1]) + 1) if run else None))
+        out.append(group)
     return out
 
 

@@ -204,12 +204,22 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
     tokens = since = 0
     nxt = steps.next()
     while nxt is not None:
-        p, nxt = nxt, steps.next()  # the next step's touched pages are checked ahead
+        p = nxt
         if on_step:
             on_step(p.step.step, "start")
-        pending.append(_graph_step(graphs, pool, p, nxt, watch)
-                       or _eager_step(pool, truth, kernels, p, nxt, watch, skip,
-                                      trace.model.num_q_heads))
+        got, known = None, graphs is not None and p.graph is not None
+        if known:
+            nxt = steps.next()  # whether p is the last
+            got = _graph_step(graphs, pool, p, nxt, watch)
+        if got is None:
+            # the kernels queued before the next step is prepared: the prompts' step's device
+            # work starts one step's preparation sooner (its check of the next step's touched
+            # pages comes after, as before)
+            finish = _eager_step(pool, truth, kernels, p, watch, skip, trace.model.num_q_heads)
+            if not known:
+                nxt = steps.next()
+            got = finish(nxt)
+        pending.append(got)
         tokens += p.b.num_tokens
         since += 1
         wait_all = since >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None
@@ -257,34 +267,36 @@ def _graph_step(graphs: StepGraphs | None, pool: KVPool, p: Prepared, nxt: Prepa
     watch.after_events(p)
     got = graphs.run(p)
     if got is None:
-        return _one_step(pool, graphs.truth, graphs.k, p, nxt, watch, {}, graphs.hq)
+        return _one_step(pool, graphs.truth, graphs.k, p, watch, {}, graphs.hq)(nxt)
     return Pending(p, got[0], watch.after_kernels(p, nxt, nxt is None))
 
 
-def _eager_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,
-                nxt: Prepared | None, watch: Watch, skip: dict[int, str], hq: int) -> Pending:
-    """The step's block events, the watch around them, then its kernels, launch by launch."""
+def _eager_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, watch: Watch,
+                skip: dict[int, str], hq: int) -> Callable[[Prepared | None], Pending]:
+    """The step's block events, the watch around them, then its kernels, launch by launch.
+    Returns what finishes it once the next step is known (the watch checks that step's touched
+    pages ahead)."""
     watch.before_events(p)
     _apply_events(pool, p)
     watch.after_events(p)
-    return _one_step(pool, truth, kernels, p, nxt, watch, skip, hq)
+    return _one_step(pool, truth, kernels, p, watch, skip, hq)
 
 
-def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared,
-              nxt: Prepared | None, watch: Watch, skip: dict[int, str], hq: int) -> Pending:
+def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, watch: Watch,
+              skip: dict[int, str], hq: int) -> Callable[[Prepared | None], Pending]:
     dv, b = p.dv, p.b
     kv, q, tq = _content(pool, truth, p, hq)
     if b.step in skip:
         watch.on_fault()
-        return Pending(p, None, None, skip[b.step])
+        return lambda nxt: Pending(p, None, None, skip[b.step])
     try:
         out = kernels.run_step(pool, b, p.rows, dv, kv[0], kv[1], q)
     except KernelFault as e:
         watch.on_fault()
-        return Pending(p, None, None, str(e))
-    ref = reference(truth, dv, p.groups, q if tq is None else tq)
-    changed = watch.after_kernels(p, nxt, nxt is None)
-    return Pending(p, token_errors(out, ref), changed)
+        msg = str(e)
+        return lambda nxt: Pending(p, None, None, msg)
+    tok = token_errors(out, reference(truth, dv, p.groups, q if tq is None else tq))
+    return lambda nxt: Pending(p, tok, watch.after_kernels(p, nxt, nxt is None))
 
 
 def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int

@@ -43,7 +43,10 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
     pid = tl.program_id(0)  # row * HKV + kv head
     r = pid // HKV
     h = pid % HKV
-    i = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # query = (group head gi, position w)
+    # the last tile of queries first: a causal prompt's last tiles read the most keys, and the
+    # device starts programs in order (the longest first shortens the launch's tail)
+    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query = (group head gi, position w)
     valid = i < G * W
     w = i % W
     head = h * G + i // W
@@ -104,11 +107,14 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
         raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
-    grid = (R * hkv, triton.cdiv(g * W, bm))
-    _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
-            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
-            out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
-            BLOCK_N=64)
+    tiles = triton.cdiv(g * W, bm)
+    # a generation step's queries fit one tile a (row, kv head): its own launch configuration
+    # (32-key blocks, 3 stages: 0.89x the time of a prompt's at 64 x 4 over 2k, 0.94x over 8k)
+    launch, bn = (_attend_gen, 32) if tiles == 1 else (_attend, 64)
+    launch((R * hkv, tiles), q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
+           kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
+           out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
+           BLOCK_N=bn)
     return out
 
 
@@ -193,8 +199,11 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
     return kv, q
 
 
-# num_stages 2, not 3: bit-identical output, 12% less device time at kv 2k-8k, the same at
-# batch 256 kv 8k (36 configs timed on the H200, docs/gpu.md round 5)
+# launches of several query tiles (a prompt's rows): num_stages 2, not 3, bit-identical output,
+# 12% less device time at kv 2k-8k (36 configs timed on the H200, docs/gpu.md round 5)
 _attend = Launcher(_attend_kernel, num_warps=4, num_stages=2)
+# a generation step's: 32-key blocks, 3 stages (32 launch configurations timed on the H200,
+# docs/gpu.md round 24; 128-key blocks, 2 stages as fast at 2k, 4% slower at 8k)
+_attend_gen = Launcher(_attend_kernel, num_warps=4, num_stages=3)
 _token_err = Launcher(_token_err_kernel, num_warps=4)
 _content = Launcher(_content_kernel, num_warps=4)

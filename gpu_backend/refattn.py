@@ -107,14 +107,11 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
         raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
-    tiles = triton.cdiv(g * W, bm)
-    # a generation step's queries fit one tile a (row, kv head): its own launch configuration
-    # (32-key blocks, 3 stages: 0.89x the time of a prompt's at 64 x 4 over 2k, 0.94x over 8k)
-    launch, bn = (_attend_gen, 32) if tiles == 1 else (_attend, 64)
-    launch((R * hkv, tiles), q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
-           kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
-           out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
-           BLOCK_N=bn)
+    grid = (R * hkv, triton.cdiv(g * W, bm))
+    _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
+            out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
+            BLOCK_N=64)
     return out
 
 
@@ -199,11 +196,10 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
     return kv, q
 
 
-# launches of several query tiles (a prompt's rows): num_stages 2, not 3, bit-identical output,
-# 12% less device time at kv 2k-8k (36 configs timed on the H200, docs/gpu.md round 5)
+# num_stages 2, not 3: bit-identical output, 12% less device time at kv 2k-8k, the same at
+# batch 256 kv 8k (36 configs timed on the H200, docs/gpu.md round 5). A generation step's
+# launch on 32-key blocks and 3 stages timed 0.89-0.94x in a probe (round 24), but a whole
+# replay's device-bound steps did not move (2.33-2.36x against 2.34-2.35): not kept
 _attend = Launcher(_attend_kernel, num_warps=4, num_stages=2)
-# a generation step's: 32-key blocks, 3 stages (32 launch configurations timed on the H200,
-# docs/gpu.md round 24; 128-key blocks, 2 stages as fast at 2k, 4% slower at 8k)
-_attend_gen = Launcher(_attend_kernel, num_warps=4, num_stages=3)
 _token_err = Launcher(_token_err_kernel, num_warps=4)
 _content = Launcher(_content_kernel, num_warps=4)

@@ -60,6 +60,34 @@ def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,
     assert n == 10 and seen == [1, 2, 4, 5, 7, 8, 9, 10, 10, 10]
 
 
+def test_an_eager_steps_kernels_run_before_the_next_step_is_prepared(
+        trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`driver._loop` queues an eager step's kernels, then prepares the step after it (whose
+    touched pages its watch checks ahead): the prompts' step's device work starts one step's
+    preparation sooner. Every step runs, in order, after its own preparation."""
+    order: list[tuple[str, int]] = []
+    real = prepare.prepare_step
+
+    def counted(*a: Any) -> Prepared:
+        order.append(("prepare", a[1].step))
+        return real(*a)
+
+    class Logged(ReferenceKernels):
+        def run_step(self, pool: Any, b: Any, *a: Any) -> Any:
+            order.append(("run", b.step))
+            return super().run_step(pool, b, *a)
+
+    monkeypatch.setattr(prepare, "prepare_step", counted)
+    m = trace.model
+    res = replay(trace, Logged(m.num_q_heads, m.num_blocks), "cpu")
+    steps = [s.step for s in trace.steps if trace.rows[s.step]]
+    assert [k for what, k in order if what == "run"] == steps
+    at = {x: i for i, x in enumerate(order)}
+    assert at[("run", steps[0])] < at[("prepare", steps[1])]  # the prompts' step
+    assert all(at[("prepare", k)] < at[("run", k)] for k in steps)
+    assert res.counts()["ok"] == len(res.rows) > 0
+
+
 def test_the_ramp() -> None:
     sizes = Counter(prepare.ramp(i, 4, 1) for i in range(20))
     assert [sizes[c] for c in sorted(sizes)] == [1, 1, 2, 3, 4, 4, 4, 1]

@@ -207,9 +207,9 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
         p = nxt
         if on_step:
             on_step(p.step.step, "start")
-        got, known = None, graphs is not None and p.graph is not None
-        if known:
-            nxt = steps.next()  # whether p is the last
+        got, known = None, False
+        if graphs is not None and p.graph is not None:
+            nxt, known = steps.next(), True  # whether p is the last
             got = _graph_step(graphs, pool, p, nxt, watch)
         if got is None:
             # the kernels queued before the next step is prepared: the prompts' step's device
@@ -248,13 +248,11 @@ def _apply_events(pool: KVPool, p: Prepared) -> None:
             pool.copy_slots(a, b, n)
 
 
-def _graph_step(graphs: StepGraphs | None, pool: KVPool, p: Prepared, nxt: Prepared | None,
+def _graph_step(graphs: StepGraphs, pool: KVPool, p: Prepared, nxt: Prepared | None,
                 watch: Watch) -> Pending | None:
-    """The step through its CUDA graph (`gpu_backend.graphs`), or None: run it eagerly. With
-    the incremental watch the graph applies the block events and the checks; otherwise they
-    run here around it."""
-    if graphs is None or p.graph is None:
-        return None
+    """Step p (which has a graph key) through its CUDA graph (`gpu_backend.graphs`), or None:
+    run it eagerly. With the incremental watch the graph applies the block events and the
+    checks; otherwise they run here around it."""
     if graphs.checks:
         got = graphs.run(p)
         if got is None:

@@ -168,9 +168,9 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
                  chunk: Chunk) -> Prepared:
     arrays: dict[str, np.ndarray] = {}
     ops, touched = event_ops(st.trace, s.step, st.guard, None, flight, arrays, st.shared)
-    ops, touched = _pool_ops(st, ops, touched, arrays)
-    if st.prev_step < 0:
+    if st.prev_step < 0:  # before `_pool_ops` turns the dropped poison's pages into rows
         ops = _fresh_pool(ops, arrays)
+    ops, touched = _pool_ops(st, ops, touched, arrays)
     shared = np.fromiter(st.shared, np.int64, len(st.shared))
     b = build_step(s, rows, st.trace.model.page_size, st.guard, shared,
                    st.trace.columns.get(s.step))

@@ -39,7 +39,7 @@ from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
 from gpu_backend.oracle import DEFAULT_TOL, TruthStore, reference, token_errors
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
-from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
+from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, truth_shape
 from gpu_backend.readback import Pending, Sent, drain, send, settle
 from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData
@@ -139,7 +139,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
                       graphs=graphs.planner if graphs is not None else None)
     res = ReplayResult(kernels.name, str(trace.path), tol)
     res.watch = watch.name
-    with closing(prepared_steps(trace, state, device, workers)) as steps:  # stops the workers
+    # the first step deferred: its content and reference run before the rest is prepared
+    with closing(prepared_steps(trace, state, device, workers, defer=True)) as steps:
         try:
             # a worker's chunk may wait for slots the loop frees as it judges: no bank there
             ahead = Ahead(steps, 0 if workers else BANK)
@@ -273,27 +274,44 @@ def _eager_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, 
                 skip: dict[int, str], hq: int) -> Callable[[Prepared | None], Pending]:
     """The step's block events, the watch around them, then its kernels, launch by launch.
     Returns what finishes it once the next step is known (the watch checks that step's touched
-    pages ahead)."""
-    watch.before_events(p)
-    _apply_events(pool, p)
-    watch.after_events(p)
+    pages ahead). A deferred step (`prepare.complete`) queues its content and reference first,
+    then completes its preparation while the device runs them: they read the truth, which
+    nothing else here touches."""
+    def events() -> None:
+        complete(p)
+        watch.before_events(p)
+        _apply_events(pool, p)
+        watch.after_events(p)
+
+    if p.deferred is not None:
+        return _one_step(pool, truth, kernels, p, watch, skip, hq, events)
+    events()
     return _one_step(pool, truth, kernels, p, watch, skip, hq)
 
 
 def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, watch: Watch,
-              skip: dict[int, str], hq: int) -> Callable[[Prepared | None], Pending]:
-    dv, b = p.dv, p.b
+              skip: dict[int, str], hq: int, events: Callable[[], None] | None = None
+              ) -> Callable[[Prepared | None], Pending]:
+    """The step's content, kernels and reference; `events`, if any, run between the content's
+    and reference's launches and the kernels'."""
     kv, q, tq = _content(pool, truth, p, hq)
+    ref = None
+    if events is not None:
+        ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
+        events()
+    b = p.b
     if b.step in skip:
         watch.on_fault()
         return lambda nxt: Pending(p, None, None, skip[b.step])
     try:
-        out = kernels.run_step(pool, b, p.rows, dv, kv[0], kv[1], q)
+        out = kernels.run_step(pool, b, p.rows, p.dv, kv[0], kv[1], q)
     except KernelFault as e:
         watch.on_fault()
         msg = str(e)
         return lambda nxt: Pending(p, None, None, msg)
-    tok = token_errors(out, reference(truth, dv, p.groups, q if tq is None else tq))
+    if ref is None:
+        ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
+    tok = token_errors(out, ref)
     return lambda nxt: Pending(p, tok, watch.after_kernels(p, nxt, nxt is None))
 
 

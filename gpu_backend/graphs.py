@@ -104,10 +104,7 @@ def block(caps: dict[tuple[int, int], Key], b: StepBatch, arrays: dict[str, np.n
     `groups`: the reference's (`refgroups.RefGroup`); `prev`: the step prepared before b;
     `planner`: the replay's device and attention shape, for FA2's plan (`fa2plan`)."""
     R = b.num_rows
-    runs = launch_runs(b)
-    if (b.backend != "fa2" or not ok or len(groups) != 1 or not groups[0].identity
-            or groups[0].pre != "g0_" or len(runs) != 1 or runs[0][2] != "verify"
-            or stale_plan(b, 0, R, "verify") is not None
+    if (not candidate(b, ok, groups) or stale_plan(b, 0, R, "verify") is not None
             or any(kind != "nan" for kind, *_ in ops)):
         return None
     W = int(b.q_len[0])
@@ -136,6 +133,16 @@ def block(caps: dict[tuple[int, int], Key], b: StepBatch, arrays: dict[str, np.n
     arrays.clear()
     arrays |= first | rest
     return key
+
+
+def candidate(b: StepBatch, ok: bool, groups: list[Any]) -> bool:
+    """Whether step b has the one shape a graph replays (`block` checks the rest): FA2, one
+    verify launch over every row, the reference's one identity group; `ok` as `block`'s."""
+    if b.backend != "fa2" or not ok or len(groups) != 1 or not groups[0].identity \
+            or groups[0].pre != "g0_":
+        return False
+    runs = launch_runs(b)
+    return len(runs) == 1 and runs[0][2] == "verify"
 
 
 def span(dv: StepArrays) -> None:

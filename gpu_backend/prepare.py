@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from gpu_backend.intsets import member, unique
 from gpu_backend.layout import StepBatch, build_step, run_arrays
 from gpu_backend.pool import mod_m
 from gpu_backend.refgroups import RefGroup, ref_groups
-from gpu_backend.staging import Chunk, StepArrays, stage
+from gpu_backend.staging import Chunk, Joined, StepArrays, stage
 from gpu_backend.tracedata import TraceData
 from sim.errors import TraceError
 from sim.trace.records import RowRecord, StepRecord
@@ -64,6 +65,8 @@ class Prepared:
     # (a checksum that moves there blames nobody: `readback._verdicts` skips the blame)
     wok: np.ndarray
     graph: GraphKey | None = None  # its CUDA graph's key (`graphs.block`), if any
+    # what stages the rest of its arrays (`complete`), if `prepare_step` deferred it
+    deferred: Callable[[Prepared], None] | None = None
 
 
 @dataclass
@@ -116,12 +119,14 @@ def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
 
 
 def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str,
-                   workers: int = 0) -> Generator[Prepared, None, None]:
+                   workers: int = 0, defer: bool = False) -> Generator[Prepared, None, None]:
     """The trace's steps with rows, prepared and staged a chunk at a time, one chunk ahead: once
     a chunk is staged, every step handed out follows the preparation of one step of the next
     chunk; the first chunks are small (`ramp`). The host's preparation is spread between the
     steps the device runs, instead of stalling it a whole chunk at a time. workers > 0:
-    prepared by that many worker processes (`gpu_backend.workers`), the same steps."""
+    prepared by that many worker processes (`gpu_backend.workers`), the same steps.
+    defer: the first step only as far as its content and reference need (`complete` stages the
+    rest): the replay loop's, which queues those before completing it."""
     if workers > 0:
         from gpu_backend.workers import worker_steps
 
@@ -134,7 +139,8 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
     # rows has its events left unapplied
     for i, s in enumerate(steps):
         t0 = time.perf_counter()
-        batch.append(prepare_step(state, s, trace.rows[s.step], flight, chunk))
+        batch.append(prepare_step(state, s, trace.rows[s.step], flight, chunk,
+                                  defer and i == 0))
         state.step_seconds[s.step] = time.perf_counter() - t0
         if chunk.n >= CHUNK_WORDS or ramp(i + 1, CHUNK_STEPS, 1) != ramp(i, CHUNK_STEPS, 1):
             chunk.upload()
@@ -165,7 +171,9 @@ def ramp(i: int, per: int, lead: int) -> int:
 
 
 def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
-                 chunk: Chunk) -> Prepared:
+                 chunk: Chunk, defer: bool = False) -> Prepared:
+    """Step s's host work and its arrays, staged in `chunk`. defer: stage only what the
+    content and the reference read, and leave the rest to `complete` (no CUDA graph step)."""
     arrays: dict[str, np.ndarray] = {}
     ops, touched = event_ops(st.trace, s.step, st.guard, None, flight, arrays, st.shared)
     if st.prev_step < 0:  # before `_pool_ops` turns the dropped poison's pages into rows
@@ -174,29 +182,74 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     shared = np.fromiter(st.shared, np.int64, len(st.shared))
     b = build_step(s, rows, st.trace.model.page_size, st.guard, shared,
                    st.trace.columns.get(s.step))
-    slots, fill = _admit(st, b, arrays)
-    arrays |= _step_arrays(b, slots) | run_arrays(b)
+    first: dict[str, np.ndarray] = {}  # what the content and the reference read
+    slots, fill = _admit(st, b, first)
+    eng_nan, same = _content_arrays(st, b, first)
+    groups = ref_groups(b, slots, first)
+    first |= {"tslot": slots[b.row_of_token], "true_pos": b.true_pos}
+    q_identity = b.num_tokens == len(b.app_tokens)
+    ok = not fill and not eng_nan and same and q_identity  # a CUDA graph could replay it
+    prev, st.prev_step = st.prev_step, b.step
+    _rewind(st, b)
+    _release(st, b.step, b.requests.tolist())
+    if not defer or (st.graphs is not None and graphs.candidate(b, ok, groups)):
+        arrays |= first  # staged with the rest, in one go
+        first = {}
+    p = Prepared(s, rows, b, stage(chunk, first), ops, False, fill, eng_nan, same, q_identity,
+                 groups, _NONE, 0, _NONE)
+    if first:
+        p.deferred = partial(_deferred, st, partial(_rest, st, touched, arrays, prev, ok),
+                             Chunk(chunk.dev))
+    else:
+        _rest(st, touched, arrays, prev, ok, chunk, p)
+    return p
+
+
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def complete(p: Prepared) -> None:
+    """Stage the rest of a step that `prepare_step` deferred: the kernels' arrays, the pages
+    the watch checks. The loop calls it once the step's content and reference are queued, so
+    the prompts' step's device work starts about half its preparation sooner
+    (bench/results/round24/prompt_phases.txt)."""
+    if p.deferred is not None:
+        rest, p.deferred = p.deferred, None
+        rest(p)
+
+
+def _deferred(st: HostState, rest: Callable[[Chunk, Prepared], None], chunk: Chunk,
+              p: Prepared) -> None:
+    """`complete`'s work: the rest staged in a chunk of its own and uploaded, timed as
+    preparation."""
+    t0 = time.perf_counter()
+    rest(chunk, p)
+    chunk.upload()
+    spent = time.perf_counter() - t0
+    st.seconds += spent
+    st.step_seconds[p.step.step] = st.step_seconds.get(p.step.step, 0.0) + spent
+
+
+def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], prev: int, ok: bool,
+          chunk: Chunk, p: Prepared) -> None:
+    """The step's arrays past the content's and the reference's, staged in `chunk` into p:
+    the kernels' inputs, the pages its events touched and its appends target, its graph."""
+    b = p.b
+    arrays |= _step_arrays(b) | run_arrays(b)
     tset = unique(touched) if len(touched) else None
     if tset is not None:
         arrays["touched"] = tset
-    wpages, wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, tset)
-    wok = _blameless(b, wpages)
-    if len(wpages):
-        arrays["wpages"] = wpages
-    eng_nan, same = _content_arrays(st, b, arrays)
-    groups = ref_groups(b, slots, arrays)
-    q_identity = b.num_tokens == len(b.app_tokens)
-    graph = graphs.block(st.graph_caps, b, arrays, ops, wpages, wcheck, st.prev_step,
-                         not fill and not eng_nan and same and q_identity, groups, st.graphs) \
-        if st.graphs is not None else None
-    st.prev_step = b.step
-    _rewind(st, b)
-    _release(st, b.step, b.requests.tolist())
+    p.wpages, p.wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, tset)
+    p.wok = _blameless(b, p.wpages)
+    p.touched = tset is not None
+    if len(p.wpages):
+        arrays["wpages"] = p.wpages
+    p.graph = graphs.block(st.graph_caps, b, arrays, p.ops, p.wpages, p.wcheck, prev, ok,
+                           p.groups, st.graphs) if st.graphs is not None else None
     dv = stage(chunk, arrays)
-    if graph is not None:
+    p.dv = Joined(p.dv, dv) if len(p.dv) else dv
+    if p.graph is not None:
         graphs.span(dv)
-    return Prepared(s, rows, b, dv, ops, tset is not None, fill, eng_nan, same, q_identity, groups,
-                    wpages, wcheck, wok, graph)
 
 
 def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
@@ -328,20 +381,20 @@ def _take_slots(st: HostState, requests: list[int], committed: list[int]
     return out
 
 
-def _step_arrays(b: StepBatch, slots: np.ndarray) -> dict[str, np.ndarray]:
-    """The kernels' inputs and the truth writes' indices (`device_arrays` + seq_lens)."""
+def _step_arrays(b: StepBatch) -> dict[str, np.ndarray]:
+    """The kernels' inputs (`device_arrays` + seq_lens; the truth's are `prepare_step`'s)."""
     B = b.page_size
     seq = np.maximum(np.diff(b.kv_indptr) - 1, 0) * B + b.last_page_len  # FlashInfer get_seq_lens
     xseq = np.maximum(np.diff(b.xqa_indptr) - 1, 0) * B + b.xqa_last_page_len
-    return device_arrays(b) | {"seq_lens": seq, "xqa_seq_lens": xseq,
-                               "tslot": slots[b.row_of_token]}
+    return device_arrays(b) | {"seq_lens": seq, "xqa_seq_lens": xseq}
 
 
 def device_arrays(b: StepBatch) -> dict[str, np.ndarray]:
-    """The arrays the device reads. Not the tokens and positions themselves: the content reads
-    them mod M (`_content_arrays`), and a 64 x 2k prompts' step staged 5 x 131k words of them
-    (tokens, rope_pos, row_of_token, app_tokens, app_rope) that nothing read."""
-    return {"true_pos": b.true_pos, "append_pos": b.append_pos, "app_row": b.app_row,
+    """The arrays the kernels read (the truth's true_pos is `prepare_step`'s). Not the tokens
+    and positions themselves: the content reads them mod M (`_content_arrays`), and a 64 x 2k
+    prompts' step staged 5 x 131k words of them (tokens, rope_pos, row_of_token, app_tokens,
+    app_rope) that nothing read."""
+    return {"append_pos": b.append_pos, "app_row": b.app_row,
             "kv_indices": b.kv_indices, "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len,
             "block_table": b.block_table, "kv_len": b.kv_len, "xqa_indptr": b.xqa_indptr,
             "xqa_indices": b.xqa_indices, "xqa_last_page_len": b.xqa_last_page_len}

@@ -144,6 +144,30 @@ class StepArrays(Mapping[str, torch.Tensor]):
         return self.chunk.bufs["d64"], off, n
 
 
+class Joined(StepArrays):
+    """A step staged in two chunks (`prepare.complete`): the arrays of `then`, and those of
+    `first` (staged and uploaded earlier: what the step's content and reference read)."""
+
+    def __init__(self, first: StepArrays, then: StepArrays):
+        super().__init__(then.chunk, then.slots)
+        self.first = first
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key.partition("@")[0] in self.slots:
+            return super().__getitem__(key)
+        return self.first[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.slots
+        yield from self.first
+
+    def __len__(self) -> int:
+        return len(self.slots) + len(self.first)
+
+    def span(self, name: str) -> tuple[torch.Tensor, int, int]:
+        return super().span(name) if name in self.slots else self.first.span(name)
+
+
 class PackedSlots(Mapping[str, Slot]):
     """A step's slots as a worker ships them (`gpu_backend.workers`): the names, one bytes
     object of (length, offset) pairs for the 1-D arrays (nearly all) and the others' slots as

@@ -52,7 +52,7 @@ from sim.errors import KvsimError
 from sim.trace.records import StepRecord
 
 # Prepared's fields after (step, rows, b, dv): shipped as they are
-_REST = [f.name for f in fields(Prepared)][4:]
+_REST = [f.name for f in fields(Prepared)][4:-1]  # not `deferred`: a worker defers nothing
 
 
 MIN_STEPS = 256  # shorter traces prepare on the loop's thread by default (`default_workers`)

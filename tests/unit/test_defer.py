@@ -1,0 +1,157 @@
+"""gpu_backend/prepare.py's deferred first step: the replay loop queues the prompts' step's
+content and reference before the rest of its preparation (`prepare.complete`), and the step it
+completes is the one `prepare_step` makes whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify, default_small
+
+from gpu_backend import driver, prepare
+from gpu_backend.driver import GUARD_PAGES, replay
+from gpu_backend.fa2plan import H200, Planner
+from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, truth_shape
+from gpu_backend.reference import ReferenceKernels
+from gpu_backend.staging import Chunk, Joined, stage
+from gpu_backend.tracedata import TraceData, load_trace
+
+NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS[:6]]
+
+
+def _trace(tmp: Path, name: str) -> TraceData:
+    if name == "default40":
+        return load_trace(default_small(tmp))
+    if name == "big":
+        return load_trace(big_verify(tmp / "big", batch=8, kv=256, steps=6))
+    return load_trace(any_trace(tmp, name))
+
+
+def _state(trace: TraceData) -> HostState:
+    slots, _, last = truth_shape(trace)
+    return HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                     free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+
+
+def _steps(trace: TraceData, defer: bool) -> list[tuple[Prepared, dict[str, np.ndarray]]]:
+    out = []
+    for p in prepared_steps(trace, _state(trace), "cpu", defer=defer):
+        complete(p)
+        out.append((p, {k: p.dv[k].numpy().copy() for k in p.dv}))
+    return out
+
+
+_FIELDS = ("ops", "touched", "fill", "engine_nan", "truth_same", "q_identity", "wcheck", "graph",
+           "deferred")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_deferred_step_completes_to_the_whole_one(tmp_path: Path, name: str) -> None:
+    """Every step of a replay with its first step deferred has the arrays, pool operations,
+    checked pages and graph of the undeferred replay's."""
+    trace = _trace(tmp_path, name)
+    want, got = _steps(trace, False), _steps(trace, True)
+    assert len(got) == len(want) > 0
+    for (p, a), (q, b) in zip(got, want, strict=True):
+        assert a.keys() == b.keys()
+        assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True)
+                   for k in a), p.b.step
+        assert all(getattr(p, f) == getattr(q, f) for f in _FIELDS)
+        assert np.array_equal(p.wpages, q.wpages) and np.array_equal(p.wok, q.wok)
+    assert isinstance(got[0][0].dv, Joined) or got[0][0].graph is not None
+
+
+def test_before_completion_only_the_content_and_the_reference_are_staged(
+        tmp_path: Path) -> None:
+    trace = _trace(tmp_path, "big")
+    p = next(prepared_steps(trace, _state(trace), "cpu", defer=True))
+    assert p.deferred is not None and p.b.step == trace.steps[0].step
+    staged = set(p.dv)
+    assert {"tslot", "true_pos", "app_tok_m", "app_pos_m"} <= staged
+    assert not staged & {"kv_indices", "kv_indptr", "touched", "wpages", "append_pos"}
+    complete(p)
+    assert p.deferred is None and {"kv_indices", "touched", "wpages"} <= set(p.dv)
+    complete(p)  # once only
+    assert isinstance(p.dv, Joined) and len(p.dv) == len(set(p.dv))
+
+
+def _order(trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int]]:
+    """What the replay did to the first step, in order: its reference queued, the rest of its
+    preparation (`prepare._rest`), its kernels."""
+    order: list[tuple[str, int]] = []
+    ref, rest = driver.reference, prepare._rest
+
+    def logged_ref(truth: Any, dv: Any, groups: Any, q: Any) -> torch.Tensor:
+        order.append(("reference", len(q)))
+        return ref(truth, dv, groups, q)
+
+    def logged_rest(*a: Any) -> None:
+        order.append(("rest", a[-1].b.step))
+        rest(*a)
+
+    class Logged(ReferenceKernels):
+        def run_step(self, pool: Any, b: Any, *a: Any) -> Any:
+            order.append(("run", b.step))
+            return super().run_step(pool, b, *a)
+
+    monkeypatch.setattr(driver, "reference", logged_ref)
+    monkeypatch.setattr(prepare, "_rest", logged_rest)
+    m = trace.model
+    res = replay(trace, Logged(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+    assert res.counts()["ok"] == len(res.rows) > 0
+    return order[:3]
+
+
+def test_the_prompts_reference_is_queued_before_the_rest_is_prepared(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The prompts' step: reference, then the rest of its preparation, then its kernels. Without
+    the defer, its whole preparation comes first and the reference last (the order this test
+    fails on)."""
+    trace = _trace(tmp_path, "big")
+    first = trace.steps[0].step
+    got = _order(trace, monkeypatch)
+    assert [k for k, _ in got] == ["reference", "rest", "run"] and got[1:] == [
+        ("rest", first), ("run", first)]
+    real = prepare.prepare_step
+    monkeypatch.setattr(prepare, "prepare_step", lambda *a: real(*a[:5]))  # no defer
+    assert [k for k, _ in _order(trace, monkeypatch)] == ["rest", "run", "reference"]
+
+
+@pytest.mark.parametrize("name", ["big", "clean_mtp", "overlap_uncorrected", "append_past_alloc",
+                                  *FAULTS[:4]])
+def test_the_defer_changes_no_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      name: str) -> None:
+    trace = _trace(tmp_path, name)
+    m = trace.model
+
+    def rows() -> list[tuple[Any, ...]]:
+        res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+        return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows]
+
+    want = rows()
+    real = prepare.prepare_step
+    monkeypatch.setattr(prepare, "prepare_step", lambda *a: real(*a[:5]))
+    assert rows() == want
+
+
+def test_joined_reads_each_array_from_its_own_chunk() -> None:
+    a, b = Chunk("cpu"), Chunk("cpu")
+    first = stage(a, {"x": np.arange(3), "y": np.array([7, 8])})
+    then = stage(b, {"z": np.arange(5) * 2, "w": np.array([[1, 2], [3, 4]])})
+    a.upload()
+    b.upload()
+    j = Joined(first, then)
+    assert sorted(j) == ["w", "x", "y", "z"] and len(j) == 4
+    assert j["x"].tolist() == [0, 1, 2] and j["y@32"].dtype == torch.int32
+    assert j["z"].tolist() == [0, 2, 4, 6, 8] and j["w"].tolist() == [[1, 2], [3, 4]]
+    assert j.chunk is b
+    buf, off, n = j.span("y")
+    assert buf is a.bufs["d64"] and buf[off: off + n].tolist() == [7, 8]
+    buf, off, n = j.span("z")
+    assert buf is b.bufs["d64"] and n == 5
+    with pytest.raises(KeyError):
+        j["nothing"]

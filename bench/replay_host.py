@@ -10,7 +10,7 @@ the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per ge
 (the prompts' step left out):
 
 - start: what `driver.replay` does on the host before it prepares the prompts' step and that
-  the device does not wait on (`prepare.truth_shape`, the `HostState`, `in_flight_poison`), in
+  the device does not wait on (`truthprep.truth_shape`, the `HostState`, `in_flight_poison`), in
   ms: serial before anything runs, like the prompt's;
 - prompt: `prepare.prepare_step` on the prompts' step, in ms (the loop prepares it before
   anything runs: at batch 64 it is tens of ms of a whole replay, `bench/gpu_replay.py`'s
@@ -63,7 +63,7 @@ from environment import ROOT, environment, positive
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from gpu_backend import fa2plan, prepare, slots, staging, workers  # noqa: E402
+from gpu_backend import fa2plan, prepare, slots, staging, truthprep, workers  # noqa: E402
 from gpu_backend.events import in_flight_poison  # noqa: E402
 from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
 from sim import heap  # noqa: E402
@@ -75,7 +75,7 @@ def _host_load(self: staging.Chunk, h64: Any) -> None:
 
 
 def _state(trace: TraceData) -> prepare.HostState:
-    slots, _, last = prepare.truth_shape(trace)
+    slots, _, last = truthprep.truth_shape(trace)
     return prepare.HostState(trace, 16, trace.model.max_position, last=last,
                              free=list(range(slots))[::-1],
                              graphs=fa2plan.Planner.for_model(trace.model, fa2plan.H200))

@@ -39,10 +39,11 @@ from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
 from gpu_backend.oracle import DEFAULT_TOL, TruthStore, reference, token_errors
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
-from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, truth_shape
+from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
 from gpu_backend.readback import Pending, Sent, drain, send, settle
 from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData
+from gpu_backend.truthprep import truth_shape
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
 from gpu_backend.workers import trace_workers
 from sim import heap

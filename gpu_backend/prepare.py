@@ -3,8 +3,8 @@ device work (pure numpy) and staged in chunks of steps, one pinned upload each:
 
 - the block events of each step as pool operations (poison runs, copies), the in-flight frees;
 - the flat kernel inputs (`layout.build_step`, with the shared blocks from the events' refcounts);
-- the truth store's slots (admission, release) and prefix fills;
-- the content inputs (token and position mod M as float64, the RoPE-overrun NaN mask);
+- the truth store's slots (admission, release) and prefix fills, and the content inputs (token
+  and position mod M as float64, the RoPE-overrun NaN mask): `truthprep`;
 - the fp32 reference's index arrays (`refgroups.RefGroup`), the rewind's pool rows.
 
 The step loop (`driver.replay`) then only launches device work: no numpy, no host-device syncs.
@@ -21,17 +21,15 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu_backend import graphs
+from gpu_backend import graphs, truthprep
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
 from gpu_backend.intsets import member, unique
 from gpu_backend.layout import StepBatch, build_step, run_arrays
-from gpu_backend.pool import mod_m
 from gpu_backend.refgroups import RefGroup, ref_groups
 from gpu_backend.staging import Chunk, Joined, StepArrays, stage
 from gpu_backend.tracedata import TraceData
-from sim.errors import TraceError
 from sim.trace.records import RowRecord, StepRecord
 
 CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host memory on long traces
@@ -94,28 +92,6 @@ class HostState:
     # with workers: seconds by where they went (the loop's receiving, all workers' own time)
     timing: dict[str, float] = field(default_factory=dict)
     cleanup: list[Callable[[], None]] = field(default_factory=list)  # after the loop (`driver`)
-
-
-def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
-    """(slots, span, last step of each request): the truth store holds the live requests'
-    contiguous K/V; a request keeps its slot from its first row to its last row. Over the
-    trace's row columns (a loop over its rows took 3.5-5 ms of a replay's start at 64 x 2k and
-    128 x 8k, 96 steps)."""
-    steps = sorted(trace.rows)
-    cols = [trace.columns[s] for s in steps]
-    req = np.concatenate([c["request"] for c in cols]) if cols else np.zeros(0, np.int64)
-    if not len(req):
-        return 1, 1, {}
-    span = max(1, int(max((c["committed"] + c["q_len"]).max(initial=0) for c in cols)))
-    at = np.repeat(np.arange(len(steps)), [len(c["request"]) for c in cols])  # step positions
-    ids, first = np.unique(req, return_index=True)  # steps rise: a request's first row first
-    last = len(req) - 1 - np.unique(req[::-1], return_index=True)[1]
-    # live at each step: started by it, less ended before it
-    live = np.cumsum(np.bincount(at[first], minlength=len(steps))) - \
-        np.concatenate([[0], np.cumsum(np.bincount(at[last], minlength=len(steps)))[:-1]])
-    last_step = np.asarray(steps)[at[last]]
-    return max(int(live.max()), 1), span, dict(zip(ids.tolist(), last_step.tolist(),
-                                                   strict=True))
 
 
 def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str,
@@ -183,15 +159,15 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     b = build_step(s, rows, st.trace.model.page_size, st.guard, shared,
                    st.trace.columns.get(s.step))
     first: dict[str, np.ndarray] = {}  # what the content and the reference read
-    slots, fill = _admit(st, b, first)
-    eng_nan, same = _content_arrays(st, b, first)
+    slots, fill = truthprep.admit(st, b, first)
+    eng_nan, same = truthprep.content_arrays(st, b, first)
     groups = ref_groups(b, slots, first)
     first |= {"tslot": slots[b.row_of_token], "true_pos": b.true_pos}
     q_identity = b.num_tokens == len(b.app_tokens)
     ok = not fill and not eng_nan and same and q_identity  # a CUDA graph could replay it
     prev, st.prev_step = st.prev_step, b.step
     _rewind(st, b)
-    _release(st, b.step, b.requests.tolist())
+    truthprep.release(st, b.step, b.requests.tolist())
     if not defer or (st.graphs is not None and graphs.candidate(b, ok, groups)):
         arrays |= first  # staged with the rest, in one go
         first = {}
@@ -210,9 +186,9 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 def complete(p: Prepared) -> None:
     """Stage the rest of a step that `prepare_step` deferred: the kernels' arrays, the pages
-    the watch checks. The loop calls it once the step's content and reference are queued, so
-    the prompts' step's device work starts about half its preparation sooner
-    (bench/results/round24/prompt_phases.txt)."""
+    the watch checks. The loop calls it once the step's content and reference are queued: the
+    prompts' step's device work starts after 0.60-0.73x of its preparation and upload on a
+    development machine (bench/results/round25/first_launch_host.txt)."""
     if p.deferred is not None:
         rest, p.deferred = p.deferred, None
         rest(p)
@@ -260,7 +236,7 @@ def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFligh
     (only when this worker prepares the next step: it builds the step's batch)."""
     event_ops(st.trace, s.step, st.guard, None, flight, {}, st.shared)
     requests = [r.request for r in rows]
-    _take_slots(st, requests, [r.committed for r in rows])
+    truthprep.take_slots(st, requests, [r.committed for r in rows])
     st.prev_step = s.step
     st.rewind = None
     # only a gen row's appends past its accepted tokens are rejected drafts (`flatten`): a step
@@ -270,7 +246,7 @@ def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFligh
         shared = np.fromiter(st.shared, np.int64, len(st.shared))
         _rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,
                                st.trace.columns.get(s.step)))
-    _release(st, s.step, requests)
+    truthprep.release(st, s.step, requests)
 
 
 def _rewind(st: HostState, b: StepBatch) -> None:
@@ -280,13 +256,6 @@ def _rewind(st: HostState, b: StepBatch) -> None:
         pz = st.trace.model.page_size
         base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
         st.rewind = (np.concatenate([base, base + pz]), unique(b.reject_page))
-
-
-def _release(st: HostState, step: int, requests: list[int]) -> None:
-    """A request's slot is free for the next step's admissions after its last step."""
-    for req in requests:
-        if st.last.get(req) == step and req in st.slot:
-            st.free.append(st.slot.pop(req))
 
 
 def _targets(b: StepBatch, pages: int, touched: np.ndarray | None) -> tuple[np.ndarray, int]:
@@ -344,43 +313,6 @@ def _fresh_pool(ops: list[PoolOp], arrays: dict[str, np.ndarray]) -> list[PoolOp
     return ops
 
 
-def _admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
-    """Truth slots of the step's rows; new requests that start at committed > 0 get their prefix
-    (prompt tokens 0..committed-1) written into the store (`fill_*` arrays)."""
-    fs: list[np.ndarray] = []
-    ft: list[np.ndarray] = []
-    requests = b.requests.tolist()
-    for s, toks in _take_slots(st, requests, b.committed.tolist()):
-        fs.append(np.full(len(toks), s, dtype=np.int64))
-        ft.append(np.asarray(toks, dtype=np.int64))
-    slots = np.array([st.slot[r] for r in requests], dtype=np.int64)
-    if not fs:
-        return slots, False
-    pos = np.concatenate([np.arange(len(t)) for t in ft])
-    tok = np.concatenate(ft)
-    arrays |= {"fill_slot": np.concatenate(fs), "fill_pos": pos, "fill_tok_m": mod_m(tok),
-               "fill_pos_m": mod_m(pos)}
-    return slots, True
-
-
-def _take_slots(st: HostState, requests: list[int], committed: list[int]
-                ) -> list[tuple[int, tuple[int, ...]]]:
-    """Give the step's new requests truth slots; returns (slot, prefix tokens) of those that
-    start at committed > 0."""
-    out = []
-    for req, n in zip(requests, committed, strict=True):
-        if req in st.slot:
-            continue
-        st.slot[req] = s = st.free.pop()
-        if n > 0:
-            toks = st.trace.prompts.get(req, ())
-            if len(toks) < n:
-                raise TraceError(f"request {req} starts at committed {n} but "
-                                 f"requests.parquet holds {len(toks)} of its tokens")
-            out.append((s, toks[:n]))
-    return out
-
-
 def _step_arrays(b: StepBatch) -> dict[str, np.ndarray]:
     """The kernels' inputs (`device_arrays` + seq_lens; the truth's are `prepare_step`'s)."""
     B = b.page_size
@@ -391,37 +323,10 @@ def _step_arrays(b: StepBatch) -> dict[str, np.ndarray]:
 
 def device_arrays(b: StepBatch) -> dict[str, np.ndarray]:
     """The arrays the kernels read (the truth's true_pos is `prepare_step`'s). Not the tokens
-    and positions themselves: the content reads them mod M (`_content_arrays`), and a 64 x 2k
-    prompts' step staged 5 x 131k words of them (tokens, rope_pos, row_of_token, app_tokens,
-    app_rope) that nothing read."""
+    and positions themselves: the content reads them mod M (`truthprep.content_arrays`), and a
+    64 x 2k prompts' step staged 5 x 131k words of them (tokens, rope_pos, row_of_token,
+    app_tokens, app_rope) that nothing read."""
     return {"append_pos": b.append_pos, "app_row": b.app_row,
             "kv_indices": b.kv_indices, "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len,
             "block_table": b.block_table, "kv_len": b.kv_len, "xqa_indptr": b.xqa_indptr,
             "xqa_indices": b.xqa_indices, "xqa_last_page_len": b.xqa_last_page_len}
-
-
-def _content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
-                    ) -> tuple[bool, bool]:
-    """Content inputs. Returns (engine NaN mask needed, truth content == engine content)."""
-    arrays |= {"app_tok_m": mod_m(b.app_tokens), "app_pos_m": mod_m(b.app_rope)}
-    over = (b.app_rope >= st.rope_rows) if st.rope_rows is not None else \
-        np.zeros(len(b.app_rope), dtype=bool)
-    nq = st.trace.model.num_q_heads // st.trace.model.num_kv_heads
-    if over.any():  # K and Q blocks of those tokens read past the RoPE table: NaN; V is not rotated
-        mask = np.repeat(over[None, :], 2 + nq, axis=0)
-        mask[1] = False
-        arrays["eng_nan"] = mask[:, :, None, None]
-    nan = bool(over.any())
-    if len(b.app_tokens) == b.num_tokens:  # no device-ahead appends: query t is append t, and
-        # the content's queries are the appends' (`driver._content` reads no q2a): a prompts'
-        # step at 128 x 8k staged a million-word identity here
-        q_nan = nan
-    else:
-        a_start = np.concatenate([[0], np.cumsum(np.bincount(b.app_row, minlength=b.num_rows))])
-        q2a = a_start[b.row_of_token] + (np.arange(b.num_tokens) - b.qo_indptr[b.row_of_token])
-        arrays["q2a"] = q2a
-        q_nan = bool(over[q2a].any())
-    same = not q_nan and bool(np.array_equal(b.rope_pos, b.true_pos))
-    if not same:
-        arrays |= {"tok_m": mod_m(b.tokens), "true_pos_m": mod_m(b.true_pos)}
-    return nan, same

@@ -15,10 +15,11 @@ from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify, default_smal
 from gpu_backend import driver, prepare
 from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.fa2plan import H200, Planner
-from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, truth_shape
+from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.staging import Chunk, Joined, stage
 from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.truthprep import truth_shape
 
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS[:6]]
 

@@ -12,8 +12,9 @@ from replay_traces import SCENARIOS, big_verify
 from gpu_backend import graphs
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner, image, layout
-from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
+from gpu_backend.prepare import HostState, Prepared, prepared_steps
 from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.truthprep import truth_shape
 
 
 def _prepared(trace: TraceData, use_graphs: bool) -> list[Prepared]:

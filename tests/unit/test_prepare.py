@@ -24,9 +24,10 @@ from gpu_backend import prepare, refgroups, tracedata
 from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import build_step, columns
-from gpu_backend.prepare import HostState, Prepared, prepared_steps, truth_shape
+from gpu_backend.prepare import HostState, Prepared, prepared_steps
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.truthprep import truth_shape
 from sim.trace.reader import read_trace
 
 

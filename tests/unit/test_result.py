@@ -117,7 +117,8 @@ def test_moved_pages_blame_a_row_exactly_when_some_is_not_blameless(tmp_path: Pa
 
     from gpu_backend.driver import GUARD_PAGES
     from gpu_backend.oracle import blame
-    from gpu_backend.prepare import HostState, prepared_steps, truth_shape
+    from gpu_backend.prepare import HostState, prepared_steps
+    from gpu_backend.truthprep import truth_shape
 
     t = load_trace(any_trace(tmp_path, name))
     slots, _, last = truth_shape(t)

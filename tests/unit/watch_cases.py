@@ -9,8 +9,9 @@ from typing import Any
 from replay_traces import SCENARIOS
 
 from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.prepare import HostState, prepared_steps, truth_shape
+from gpu_backend.prepare import HostState, prepared_steps
 from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.truthprep import truth_shape
 
 CASES = ("ahead", "target", "pool")
 

@@ -1,0 +1,111 @@
+"""The truth side of a step's preparation (`gpu_backend.prepare`): the truth store's shape, the
+live requests' slots in it (admission with their prefixes, release after their last step), and
+the content's inputs (token and position mod M, the RoPE-overrun NaN mask) that the truth and the
+engine's K/V/Q are built from."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from gpu_backend.layout import StepBatch
+from gpu_backend.pool import mod_m
+from gpu_backend.tracedata import TraceData
+from sim.errors import TraceError
+
+if TYPE_CHECKING:
+    from gpu_backend.prepare import HostState
+
+
+def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
+    """(slots, span, last step of each request): the truth store holds the live requests'
+    contiguous K/V; a request keeps its slot from its first row to its last row. Over the
+    trace's row columns (a loop over its rows took 3.5-5 ms of a replay's start at 64 x 2k and
+    128 x 8k, 96 steps)."""
+    steps = sorted(trace.rows)
+    cols = [trace.columns[s] for s in steps]
+    req = np.concatenate([c["request"] for c in cols]) if cols else np.zeros(0, np.int64)
+    if not len(req):
+        return 1, 1, {}
+    span = max(1, int(max((c["committed"] + c["q_len"]).max(initial=0) for c in cols)))
+    at = np.repeat(np.arange(len(steps)), [len(c["request"]) for c in cols])  # step positions
+    ids, first = np.unique(req, return_index=True)  # steps rise: a request's first row first
+    last = len(req) - 1 - np.unique(req[::-1], return_index=True)[1]
+    # live at each step: started by it, less ended before it
+    live = np.cumsum(np.bincount(at[first], minlength=len(steps))) - \
+        np.concatenate([[0], np.cumsum(np.bincount(at[last], minlength=len(steps)))[:-1]])
+    last_step = np.asarray(steps)[at[last]]
+    return max(int(live.max()), 1), span, dict(zip(ids.tolist(), last_step.tolist(),
+                                                   strict=True))
+
+
+def release(st: HostState, step: int, requests: list[int]) -> None:
+    """A request's slot is free for the next step's admissions after its last step."""
+    for req in requests:
+        if st.last.get(req) == step and req in st.slot:
+            st.free.append(st.slot.pop(req))
+
+
+def admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
+    """Truth slots of the step's rows; new requests that start at committed > 0 get their prefix
+    (prompt tokens 0..committed-1) written into the store (`fill_*` arrays)."""
+    fs: list[np.ndarray] = []
+    ft: list[np.ndarray] = []
+    requests = b.requests.tolist()
+    for s, toks in take_slots(st, requests, b.committed.tolist()):
+        fs.append(np.full(len(toks), s, dtype=np.int64))
+        ft.append(np.asarray(toks, dtype=np.int64))
+    slots = np.array([st.slot[r] for r in requests], dtype=np.int64)
+    if not fs:
+        return slots, False
+    pos = np.concatenate([np.arange(len(t)) for t in ft])
+    tok = np.concatenate(ft)
+    arrays |= {"fill_slot": np.concatenate(fs), "fill_pos": pos, "fill_tok_m": mod_m(tok),
+               "fill_pos_m": mod_m(pos)}
+    return slots, True
+
+
+def take_slots(st: HostState, requests: list[int], committed: list[int]
+                ) -> list[tuple[int, tuple[int, ...]]]:
+    """Give the step's new requests truth slots; returns (slot, prefix tokens) of those that
+    start at committed > 0."""
+    out = []
+    for req, n in zip(requests, committed, strict=True):
+        if req in st.slot:
+            continue
+        st.slot[req] = s = st.free.pop()
+        if n > 0:
+            toks = st.trace.prompts.get(req, ())
+            if len(toks) < n:
+                raise TraceError(f"request {req} starts at committed {n} but "
+                                 f"requests.parquet holds {len(toks)} of its tokens")
+            out.append((s, toks[:n]))
+    return out
+
+
+def content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
+                    ) -> tuple[bool, bool]:
+    """Content inputs. Returns (engine NaN mask needed, truth content == engine content)."""
+    arrays |= {"app_tok_m": mod_m(b.app_tokens), "app_pos_m": mod_m(b.app_rope)}
+    over = (b.app_rope >= st.rope_rows) if st.rope_rows is not None else \
+        np.zeros(len(b.app_rope), dtype=bool)
+    nq = st.trace.model.num_q_heads // st.trace.model.num_kv_heads
+    if over.any():  # K and Q blocks of those tokens read past the RoPE table: NaN; V is not rotated
+        mask = np.repeat(over[None, :], 2 + nq, axis=0)
+        mask[1] = False
+        arrays["eng_nan"] = mask[:, :, None, None]
+    nan = bool(over.any())
+    if len(b.app_tokens) == b.num_tokens:  # no device-ahead appends: query t is append t, and
+        # the content's queries are the appends' (`driver._content` reads no q2a): a prompts'
+        # step at 128 x 8k staged a million-word identity here
+        q_nan = nan
+    else:
+        a_start = np.concatenate([[0], np.cumsum(np.bincount(b.app_row, minlength=b.num_rows))])
+        q2a = a_start[b.row_of_token] + (np.arange(b.num_tokens) - b.qo_indptr[b.row_of_token])
+        arrays["q2a"] = q2a
+        q_nan = bool(over[q2a].any())
+    same = not q_nan and bool(np.array_equal(b.rope_pos, b.true_pos))
+    if not same:
+        arrays |= {"tok_m": mod_m(b.tokens), "true_pos_m": mod_m(b.true_pos)}
+    return nan, same

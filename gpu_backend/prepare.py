@@ -174,8 +174,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     p = Prepared(s, rows, b, stage(chunk, first), ops, False, fill, eng_nan, same, q_identity,
                  groups, _NONE, 0, _NONE)
     if first:
-        p.deferred = partial(_deferred, st, partial(_rest, st, touched, arrays, prev, ok),
-                             Chunk(chunk.dev))
+        p.deferred = partial(_deferred, st, touched, arrays, prev, ok, Chunk(chunk.dev))
     else:
         _rest(st, touched, arrays, prev, ok, chunk, p)
     return p
@@ -194,12 +193,11 @@ def complete(p: Prepared) -> None:
         rest(p)
 
 
-def _deferred(st: HostState, rest: Callable[[Chunk, Prepared], None], chunk: Chunk,
-              p: Prepared) -> None:
-    """`complete`'s work: the rest staged in a chunk of its own and uploaded, timed as
-    preparation."""
+def _deferred(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], prev: int,
+              ok: bool, chunk: Chunk, p: Prepared) -> None:
+    """`complete`'s work: `_rest` in a chunk of its own, uploaded, timed as preparation."""
     t0 = time.perf_counter()
-    rest(chunk, p)
+    _rest(st, touched, arrays, prev, ok, chunk, p)
     chunk.upload()
     spent = time.perf_counter() - t0
     st.seconds += spent

@@ -17,6 +17,8 @@ drop_stale(__file__)  # before the kernels below load anything from numba's cach
 
 import numba as nb  # noqa: E402
 
+from gpu_backend.prepk import distinct  # noqa: E402
+
 
 @nb.njit(cache=True, inline="always")
 def _has(sorted_keys: np.ndarray, x: int) -> bool:
@@ -96,7 +98,7 @@ def flatten(q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
             a += 1
         p0 += alloc_len[r]
     return (qo, kv_indices, row_of_token, true_pos, tok_q, app_row, app_rope, eng, write_ok,
-            np.unique(mine[:n_mine]), rej_page[:n_rej], rej_slot[:n_rej])
+            distinct(mine[:n_mine]), rej_page[:n_rej], rej_slot[:n_rej])
 
 
 @nb.njit(cache=True, inline="always")

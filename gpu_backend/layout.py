@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, fields, replace
+from functools import lru_cache
 from itertools import chain
 from typing import Any
 
@@ -183,11 +184,11 @@ def _flat_indices(c: Columns, backend: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _xqa_csr(c: Columns, backend: str, ind: np.ndarray, starts: np.ndarray,
-             B: int) -> tuple[np.ndarray, ...]:
+             B: int, guard: int) -> tuple[np.ndarray, ...]:
+    """(xqa_indptr, xqa_indices as pool indices, xqa_last_page_len), int32."""
     R = len(c["q_len"])
     if backend != "xqa":
-        z = np.zeros(1, np.int64)
-        return np.zeros(R + 1, np.int64), z[:0], np.ones(R, np.int64)
+        return _no_xqa(R)
     ind = np.concatenate([ind, np.full(TAIL, -1, dtype=np.int64)])  # the table's tail
     kv = c["kv_len"]
     nb = np.maximum(-(-kv // B), 1)
@@ -195,7 +196,18 @@ def _xqa_csr(c: Columns, backend: str, ind: np.ndarray, starts: np.ndarray,
     row = np.repeat(np.arange(R), nb)
     col = np.arange(int(ptr[-1])) - ptr[row]
     flat = np.minimum(starts[row] + col, len(ind) - 1)
-    return ptr, ind[flat], np.maximum(kv - (nb - 1) * B, 1)
+    return (ptr.astype(I32), (ind[flat] + guard).astype(I32),
+            np.maximum(kv - (nb - 1) * B, 1).astype(I32))
+
+
+@lru_cache(maxsize=16)
+def _no_xqa(R: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_xqa_csr` of a step of R rows on another backend: what nothing reads, shared between
+    steps (read-only) instead of built a step."""
+    out = np.zeros(R + 1, I32), np.zeros(0, I32), np.ones(R, I32)
+    for a in out:
+        a.setflags(write=False)
+    return out
 
 
 def _flat(lists: Iterable[tuple[int, ...]], count: int = -1) -> np.ndarray:
@@ -256,21 +268,25 @@ def _check_lengths(rows: list[RowRecord], c: Columns) -> None:
 
 def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: int,
                shared: np.ndarray | None = None, cols: Columns | None = None,
-               compiled: bool = True) -> StepBatch:
+               compiled: bool = True, checked: bool = False) -> StepBatch:
     """Flatten one step. `shared`: engine ids of blocks with more than one holder (from the
     block events): no row may write them, whatever its `shared_blocks` says. `cols`: the rows
     as arrays (`TraceData.columns`), else built from the rows' tuples (`columns`).
     `compiled`: the per-token work in one numba pass (`gpu_backend.flatten`), else in numpy
     (`_flat_numpy`, the oracle it is tested against).
+    `checked`: `cols` are the trace's, which fit the rows and passed the lengths check when it
+    loaded (`TraceData.checked`).
     Raises TraceError when a row contradicts itself (list lengths)."""
-    c = cols if cols is not None and _fits(rows, cols) else columns(rows)
-    _check_lengths(rows, c)
+    if not (checked and cols is not None):
+        cols = cols if cols is not None and _fits(rows, cols) else columns(rows)
+        _check_lengths(rows, cols)
+    c = cols
     R = len(rows)
     sh = np.zeros(0, np.int64) if shared is None else shared
     indptr, ind = _flat_indices(c, step.backend)
     f = _flat_compiled(c, indptr, ind, sh, page_size, guard) if compiled else \
         _flat_numpy(c, indptr, ind, sh, page_size, guard)
-    xp, xi, xl = _xqa_csr(c, step.backend, ind, indptr, page_size)
+    xp, xi, xl = _xqa_csr(c, step.backend, ind, indptr, page_size, guard)
     return StepBatch(
         step=step.step, backend=step.backend, plan_q_len=step.plan_q_len,
         plan_batch=step.plan_batch, plan_cache_size=step.plan_cache_size, page_size=page_size,
@@ -283,8 +299,8 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
         np.zeros((R, 0), dtype=I32),
         app_tokens=c["tokens"], rope_pos=c["rope_pos"], append_pos=c["append_pos"],
         committed=c["committed"], new_tokens=c["new_tokens"],
-        xqa_indptr=xp.astype(I32), xqa_indices=(xi + guard).astype(I32),
-        xqa_last_page_len=xl.astype(I32), runs=_runs(c["is_ctx"], c["q_len"]), **f)
+        xqa_indptr=xp, xqa_indices=xi, xqa_last_page_len=xl,
+        runs=_runs(c["is_ctx"], c["q_len"]), **f)
 
 
 def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,

@@ -24,6 +24,7 @@ import torch
 # values, so a K/V/Q built at the wrong RoPE position changes the output by O(0.1), far above
 # the kernels' bf16 noise.
 _M = 1_000_003
+M = _M  # the content's phase modulus (`mod_m`)
 _Q_GAIN = 4.0  # logits std ~2 at D=128: attention weights are far from uniform
 _TURN = float(np.float32(2 * math.pi / _M))  # the fp32 factor torch's mul_ applies
 

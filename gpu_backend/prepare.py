@@ -21,7 +21,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu_backend import graphs, truthprep
+from gpu_backend import graphs, prepk, truthprep
 from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
@@ -79,6 +79,10 @@ class HostState:
     slot: dict[int, int] = field(default_factory=dict)
     free: list[int] = field(default_factory=list)
     last: dict[int, int] = field(default_factory=dict)
+    ends: dict[int, set[int]] | None = None  # step -> the requests `last` ends there
+    # the last admitted step's requests and their slots: a step of the same requests has
+    # them all live (none ended: each was in this step), so the same slots (`truthprep.admit`)
+    held: tuple[np.ndarray, np.ndarray] | None = None
     seconds: float = 0.0
     step_seconds: dict[int, float] = field(default_factory=dict)  # step -> its `prepare_step` time
     # the last prepared step's rewind (pool rows, pages): applied before the next step's events
@@ -157,7 +161,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     ops, touched = _pool_ops(st, ops, touched, arrays)
     shared = np.fromiter(st.shared, np.int64, len(st.shared))
     b = build_step(s, rows, st.trace.model.page_size, st.guard, shared,
-                   st.trace.columns.get(s.step))
+                   st.trace.columns.get(s.step), checked=s.step in st.trace.checked)
     first: dict[str, np.ndarray] = {}  # what the content and the reference read
     slots, fill = truthprep.admit(st, b, first)
     eng_nan, same = truthprep.content_arrays(st, b, first)
@@ -213,8 +217,14 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     tset = unique(touched) if len(touched) else None
     if tset is not None:
         arrays["touched"] = tset
-    p.wpages, p.wcheck = _targets(b, st.trace.model.num_blocks + 2 * st.guard, tset)
-    p.wok = _blameless(b, p.wpages)
+    pages = st.trace.model.num_blocks + 2 * st.guard
+    if prepk.ENABLED and len(b.engine_write) <= prepk.SMALL:
+        p.wpages, p.wcheck, p.wok = prepk.targets(
+            b.engine_write, pages, _NONE if tset is None else tset, tset is not None,
+            b.allowed_pages, b.write_ok)
+    else:
+        p.wpages, p.wcheck = _targets(b, pages, tset)
+        p.wok = _blameless(b, p.wpages)
     p.touched = tset is not None
     if len(p.wpages):
         arrays["wpages"] = p.wpages
@@ -243,7 +253,7 @@ def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFligh
     if rewind and any(r.phase == "gen" and len(r.append_pos) > r.new_tokens for r in rows):
         shared = np.fromiter(st.shared, np.int64, len(st.shared))
         _rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,
-                               st.trace.columns.get(s.step)))
+                               st.trace.columns.get(s.step), checked=s.step in st.trace.checked))
     truthprep.release(st, s.step, requests)
 
 
@@ -252,6 +262,9 @@ def _rewind(st: HostState, b: StepBatch) -> None:
     st.rewind = None
     if b.reject_page.size:
         pz = st.trace.model.page_size
+        if prepk.ENABLED:
+            st.rewind = prepk.rewind(b.reject_page, b.reject_slot, pz)
+            return
         base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
         st.rewind = (np.concatenate([base, base + pz]), unique(b.reject_page))
 
@@ -313,18 +326,26 @@ def _fresh_pool(ops: list[PoolOp], arrays: dict[str, np.ndarray]) -> list[PoolOp
 
 def _step_arrays(b: StepBatch) -> dict[str, np.ndarray]:
     """The kernels' inputs (`device_arrays` + seq_lens; the truth's are `prepare_step`'s)."""
-    B = b.page_size
-    seq = np.maximum(np.diff(b.kv_indptr) - 1, 0) * B + b.last_page_len  # FlashInfer get_seq_lens
-    xseq = np.maximum(np.diff(b.xqa_indptr) - 1, 0) * B + b.xqa_last_page_len
-    return device_arrays(b) | {"seq_lens": seq, "xqa_seq_lens": xseq}
+    out = device_arrays(b)
+    seq = [("seq_lens", b.kv_indptr, b.last_page_len)]
+    if b.backend == "xqa":
+        seq.append(("xqa_seq_lens", b.xqa_indptr, b.xqa_last_page_len))
+    for name, indptr, last in seq:  # FlashInfer's get_seq_lens
+        out[name] = prepk.seq_lens(indptr, last, b.page_size) if prepk.ENABLED else \
+            np.maximum(np.diff(indptr) - 1, 0) * b.page_size + last
+    return out
 
 
 def device_arrays(b: StepBatch) -> dict[str, np.ndarray]:
     """The arrays the kernels read (the truth's true_pos is `prepare_step`'s). Not the tokens
     and positions themselves: the content reads them mod M (`truthprep.content_arrays`), and a
     64 x 2k prompts' step staged 5 x 131k words of them (tokens, rope_pos, row_of_token,
-    app_tokens, app_rope) that nothing read."""
-    return {"append_pos": b.append_pos, "app_row": b.app_row,
-            "kv_indices": b.kv_indices, "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len,
-            "block_table": b.block_table, "kv_len": b.kv_len, "xqa_indptr": b.xqa_indptr,
-            "xqa_indices": b.xqa_indices, "xqa_last_page_len": b.xqa_last_page_len}
+    app_tokens, app_rope) that nothing read. The block table and the kv lengths only for XQA,
+    the one backend whose launches read them (`replay._xqa`, `_attend`): a generation step
+    staged five arrays (two empty) that nothing read."""
+    out = {"append_pos": b.append_pos, "app_row": b.app_row, "kv_indices": b.kv_indices,
+           "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len}
+    if b.backend == "xqa":
+        out |= {"block_table": b.block_table, "kv_len": b.kv_len, "xqa_indptr": b.xqa_indptr,
+                "xqa_indices": b.xqa_indices, "xqa_last_page_len": b.xqa_last_page_len}
+    return out

@@ -103,13 +103,14 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
     t0 = time.perf_counter()
     steps = [s for s in trace.steps if trace.rows[s.step]]
     flight = in_flight_poison(trace)
-    from gpu_backend import fa2plan, flatten
+    from gpu_backend import fa2plan, flatten, prepk
 
     # numba's compiles or cache loads, once here, not in every worker
     if steps and not flatten.flatten.signatures:
         s = steps[0]
         build_step(s, trace.rows[s.step], trace.model.page_size, state.guard,
                    np.zeros(0, np.int64), trace.columns.get(s.step))
+    prepk.warm()
     if state.graphs is not None:
         fa2plan.warm()
     ctx = mp.get_context("fork")

@@ -1,0 +1,176 @@
+"""A generation step's small preparation passes, each one compiled (numba) call.
+
+Why: a steady generation step at batch 64 x kv 2k took ~0.55 ms of host to prepare on a
+development machine and 0.5-0.9 ms on the H200's hosts (docs/gpu.md rounds 23-25), longer than
+the device's ~0.35 ms step, spread over ~150 small numpy calls of a few µs each (each cheap
+alone, dear in a loop whose arrays are cold in the cache). These passes replace the largest
+groups of them, one call each. The numpy code each replaces stays beside its caller as the
+oracle it is tested against (tests/unit/test_prepk.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.jit_cache import drop_stale
+
+drop_stale(__file__)  # before the kernels below load anything from numba's cache
+
+import numba as nb  # noqa: E402
+
+# False: the numpy each pass replaced, which stays beside its caller (the oracle), and the
+# Python that `truthprep.admit` and `release` skip on a steady step
+ENABLED = True
+# `targets` sorts with numba's quicksort, ~5x slower than numpy's vectorized sort: a prompts'
+# step's 131k appends (64 x 2k) took 3.1 ms that way against 1.3 in numpy. It takes the steps
+# of at most this many appends, where a call's overhead is what counts
+SMALL = 4096
+
+
+@nb.njit(cache=True)
+def targets(ew: np.ndarray, pages: int, touched: np.ndarray, has_touched: bool,
+            allowed: np.ndarray, write_ok: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
+    """`prepare._targets` and `prepare._blameless` in one pass: (wpages, wcheck, wok).
+    ew: each append's pool index (`engine_write`); touched: the pages the events touched,
+    sorted and distinct (has_touched: there were any); allowed: the pages the truth lets the
+    step write; write_ok: per append, its row may write that page."""
+    keep = np.empty(len(ew), np.int64)
+    m = nw = 0
+    wrong = np.empty(len(ew), np.int64)
+    for k in range(len(ew)):
+        v = ew[k]
+        # a page's appends come in a run: the sort below sees ~a page count (131k -> 8k
+        # values in a 64 x 2k prompts' step)
+        if 0 <= v < pages and (m == 0 or keep[m - 1] != v):
+            keep[m] = v
+            m += 1
+        if not write_ok[k] and (nw == 0 or wrong[nw - 1] != v):
+            wrong[nw] = v
+            nw += 1
+    w = distinct(keep[:m])
+    wpages = np.empty(len(w), np.int64)
+    n_new = 0
+    if has_touched:  # the pages the events did not touch first, then those they did
+        for x in w:
+            if not _has(touched, x):
+                wpages[n_new] = x
+                n_new += 1
+        at = n_new
+        for x in w:
+            if _has(touched, x):
+                wpages[at] = x
+                at += 1
+    else:
+        wpages[:] = w
+        n_new = len(w)
+    ok_keys = distinct(allowed.astype(np.int64))
+    wrong_keys = distinct(wrong[:nw])
+    wok = np.empty(len(wpages), np.bool_)
+    for i in range(len(wpages)):
+        wok[i] = _has(ok_keys, wpages[i]) and not _has(wrong_keys, wpages[i])
+    return wpages, n_new, wok
+
+
+@nb.njit(cache=True)
+def distinct(a: np.ndarray) -> np.ndarray:
+    """np.unique of int64 values, sorted: numba's np.unique builds lists (~10 µs of
+    `flatten.flatten`'s ~45 at batch 64) and compiles for seconds more."""
+    s = a.copy()  # contiguous whatever the slice: one sort compiled, not one a layout
+    s.sort()
+    n = 0
+    for i in range(len(s)):
+        if i == 0 or s[i] != s[n - 1]:
+            s[n] = s[i]
+            n += 1
+    return s[:n]
+
+
+@nb.njit(cache=True)
+def _has(sorted_keys: np.ndarray, x: int) -> bool:
+    """x is in sorted_keys (a binary search: numba's np.searchsorted compiles for longer)."""
+    lo, hi = 0, len(sorted_keys)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if sorted_keys[mid] < x:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo < len(sorted_keys) and sorted_keys[lo] == x
+
+
+@nb.njit(cache=True)
+def identity_group(committed: np.ndarray, slots: np.ndarray, W: int
+                   ) -> tuple[np.ndarray, bool, int, int]:
+    """`refgroups._identity_group`'s numbers: (limit [R, W]: committed + j, the slots
+    consecutive, the longest row's committed + W, the smallest limit + 1). R >= 1."""
+    R = len(committed)
+    limit = np.empty((R, W), np.int64)
+    top, low = committed[0], committed[0]
+    consecutive = True
+    for r in range(R):
+        c = committed[r]
+        top, low = max(top, c), min(low, c)
+        for j in range(W):
+            limit[r, j] = c + j
+        if r and slots[r] - slots[r - 1] != 1:
+            consecutive = False
+    return limit, consecutive, top + W, low + 1
+
+
+@nb.njit(cache=True)
+def seq_lens(indptr: np.ndarray, last_page_len: np.ndarray, B: int) -> np.ndarray:
+    """FlashInfer's `get_seq_lens`: (pages - 1) * B + the last page's tokens, per row (int32,
+    as `prepare._step_arrays`' numpy gave it)."""
+    R = len(last_page_len)
+    out = np.empty(R, np.int32)
+    for r in range(R):
+        out[r] = max(indptr[r + 1] - indptr[r] - 1, 0) * B + last_page_len[r]
+    return out
+
+
+@nb.njit(cache=True)
+def rewind(reject_page: np.ndarray, reject_slot: np.ndarray, pz: int
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """`prepare._rewind`'s (pool rows, pages) of the rejected drafts' slots: each slot's K row,
+    then its V row a page size on; the pages sorted and distinct."""
+    n = len(reject_page)
+    rows = np.empty(2 * n, np.int64)
+    for i in range(n):
+        rows[i] = reject_page[i] * 2 * pz + reject_slot[i]
+        rows[n + i] = rows[i] + pz
+    return rows, distinct(reject_page.astype(np.int64))
+
+
+@nb.njit(cache=True)
+def content(tokens: np.ndarray, rope: np.ndarray, rope_pos: np.ndarray, true_pos: np.ndarray,
+            M: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """`truthprep.content_arrays`' numbers for a step whose queries are its appends:
+    (tokens mod M, RoPE positions mod M, both float64 as `pool.mod_m` gives them; the largest
+    RoPE position (-1: none); the engine's RoPE positions are the truth's)."""
+    n = len(tokens)
+    tok_m, pos_m = np.empty(n, np.float64), np.empty(n, np.float64)
+    top = -1
+    for i in range(n):
+        t, p = tokens[i], rope[i]
+        top = max(top, p)
+        tok_m[i] = t if 0 <= t < M else t % M  # an int64 % is ~40 cycles: only when needed
+        pos_m[i] = p if 0 <= p < M else p % M
+    same = len(rope_pos) == len(true_pos)
+    for i in range(len(rope_pos) if same else 0):
+        if rope_pos[i] != true_pos[i]:
+            same = False
+            break
+    return tok_m, pos_m, top, same
+
+
+def warm() -> None:
+    """Compile (or load from numba's cache) the passes now: before `gpu_backend.workers` forks,
+    so that each worker does not."""
+    if targets.signatures:
+        return
+    z, z32 = np.zeros(1, np.int64), np.zeros(2, np.int32)
+    targets(z, 1, z, True, z32, np.ones(1, np.bool_))
+    identity_group(z, z, 1)
+    seq_lens(z32, z32[:1], 1)
+    rewind(z, z, 1)
+    content(z, z, z, z, 3)

@@ -1,0 +1,190 @@
+"""gpu_backend/prepk.py: a generation step's compiled preparation passes give what the numpy
+they replaced gives, pass by pass on drawn arrays and step by step on whole replays."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from replay_traces import (
+    FAULTS,
+    SCENARIOS,
+    Builder,
+    any_trace,
+    big_verify,
+    default_small,
+    prompt,
+)
+
+from gpu_backend import prepare, prepk
+from gpu_backend.driver import GUARD_PAGES
+from gpu_backend.fa2plan import H200, Planner
+from gpu_backend.intsets import member, unique
+from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
+from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.truthprep import truth_shape
+from sim.errors import TraceError
+
+NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
+_PASSES = ("targets", "identity_group", "seq_lens", "rewind", "content")
+
+
+def _trace(tmp: Path, name: str) -> TraceData:
+    if name == "default40":
+        return load_trace(default_small(tmp))
+    if name == "big":
+        return load_trace(big_verify(tmp / "big", batch=8, kv=256, steps=9))
+    return load_trace(any_trace(tmp, name))
+
+
+def _steps(trace: TraceData) -> list[tuple[Prepared, dict[str, np.ndarray]]]:
+    slots, _, last = truth_shape(trace)
+    state = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                      free=list(range(slots))[::-1],
+                      graphs=Planner.for_model(trace.model, H200))
+    out = []
+    for p in prepared_steps(trace, state, "cpu", defer=True):
+        complete(p)
+        out.append((p, {k: p.dv[k].numpy().copy() for k in p.dv}))
+    return out
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    calls: Counter[str] = Counter()
+    for name in _PASSES:
+        fn = getattr(prepk, name)
+
+        def wrapped(*a: Any, _fn: Any = fn, _name: str = name) -> Any:
+            calls[_name] += 1
+            return _fn(*a)
+
+        monkeypatch.setattr(prepk, name, wrapped)
+    return calls
+
+
+_FIELDS = ("ops", "touched", "fill", "engine_nan", "truth_same", "q_identity", "groups",
+           "wcheck", "graph")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_step_is_prepared_as_the_numpy_prepares_it(tmp_path: Path, name: str,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """Every step of the trace: the same staged arrays (names in order, dtypes, values), pool
+    operations, reference groups, checked pages, blame flags and graph with the compiled passes
+    as with `prepk.ENABLED = False`, and the compiled passes did run."""
+    trace = _trace(tmp_path, name)
+    monkeypatch.setattr(prepk, "ENABLED", False)
+    want = _steps(trace)
+    monkeypatch.setattr(prepk, "ENABLED", True)
+    calls = _counting(monkeypatch)
+    got = _steps(trace)
+    assert len(got) == len(want) > 0
+    small = sum(len(p.b.engine_write) <= prepk.SMALL for p, _ in got)
+    assert calls["targets"] == small and len(got) <= calls["seq_lens"]
+    for (p, a), (q, b) in zip(got, want, strict=True):
+        assert list(a) == list(b), p.b.step
+        assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True)
+                   for k in a), p.b.step
+        assert all(getattr(p, f) == getattr(q, f) for f in _FIELDS), p.b.step
+        assert p.wpages.dtype == q.wpages.dtype and np.array_equal(p.wpages, q.wpages)
+        assert p.wok.dtype == q.wok.dtype and np.array_equal(p.wok, q.wok)
+
+
+def test_the_big_trace_takes_every_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmark's steady MTP steps take the identity group and rewind their drafts."""
+    calls = _counting(monkeypatch)
+    _steps(_trace(tmp_path, "big"))
+    assert all(calls[n] > 0 for n in _PASSES), calls
+
+
+_pages = st.integers(-3, 40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(_pages, st.booleans()), max_size=40),
+       st.one_of(st.none(), st.lists(_pages, min_size=1, max_size=12)),
+       st.lists(_pages, max_size=12), st.integers(0, 42))
+def test_targets_are_the_numpy_targets_and_blame(apps: list[tuple[int, bool]],
+                                                 touched: list[int] | None,
+                                                 allowed: list[int], pages: int) -> None:
+    """`prepk.targets` against `prepare._targets` + `_blameless`' numpy, on drawn writes
+    (wild ones below 0 and past the pool included), touched pages and allowed pages."""
+    ew = np.array([e for e, _ in apps], dtype=np.int64)
+    ok = np.array([o for _, o in apps], dtype=bool)
+    allow = unique(np.array(allowed, dtype=np.int64)).astype(np.int32)
+    tset = None if touched is None else unique(np.array(touched, dtype=np.int64))
+    w = unique(ew[(ew >= 0) & (ew < pages)])
+    if tset is None:
+        want_w, want_n = w, len(w)
+    else:
+        hit = member(w, tset)
+        want_w, want_n = np.concatenate([w[~hit], w[hit]]), int((~hit).sum())
+    wrong = unique(ew[~ok])
+    want_ok = member(want_w, np.sort(allow.astype(np.int64)))
+    if len(wrong):
+        want_ok &= ~member(want_w, wrong)
+    got_w, got_n, got_ok = prepk.targets(ew, pages, np.zeros(0, np.int64) if tset is None
+                                         else tset, tset is not None, allow, ok)
+    assert got_n == want_n and np.array_equal(got_w, want_w) and np.array_equal(got_ok, want_ok)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 300)), min_size=1, max_size=20),
+       st.integers(1, 8))
+def test_the_identity_groups_numbers_are_numpys(rows: list[tuple[int, int]], W: int) -> None:
+    committed = np.array([c for c, _ in rows], dtype=np.int64)
+    slots = np.array([s for _, s in rows], dtype=np.int64)
+    limit, consecutive, top, low = prepk.identity_group(committed, slots, W)
+    want = committed[:, None] + np.arange(W)[None, :]
+    assert limit.dtype == want.dtype and np.array_equal(limit, want)
+    assert consecutive == (len(slots) == 1 or bool((np.diff(slots) == 1).all()))
+    assert (top, low) == (int(committed.max()) + W, int(want.min()) + 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 9), st.integers(1, 16)), max_size=20),
+       st.sampled_from([1, 3, 16]))
+def test_seq_lens_are_flashinfers(rows: list[tuple[int, int]], B: int) -> None:
+    indptr = np.concatenate([[0], np.cumsum([n for n, _ in rows])]).astype(np.int32)
+    last = np.array([x for _, x in rows], dtype=np.int32)
+    want = np.maximum(np.diff(indptr) - 1, 0) * B + last
+    got = prepk.seq_lens(indptr, last, B)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(16, 4000), st.integers(0, 15)), min_size=1, max_size=30))
+def test_the_rewinds_rows_and_pages_are_numpys(slots: list[tuple[int, int]]) -> None:
+    page = np.array([p for p, _ in slots], dtype=np.int64)
+    slot = np.array([s for _, s in slots], dtype=np.int64)
+    rows, pages = prepk.rewind(page, slot, 16)
+    base = page * 2 * 16 + slot
+    assert np.array_equal(rows, np.concatenate([base, base + 16]))
+    assert pages.dtype == page.dtype and np.array_equal(pages, unique(page))
+
+
+def test_the_switch_is_on_by_default() -> None:
+    assert prepk.ENABLED and prepare.prepk is prepk
+
+
+def test_a_row_whose_lengths_contradict_itself_is_refused_as_before(tmp_path: Path) -> None:
+    """`TraceData.checked` leaves out a step with a row whose RoPE positions do not fit its
+    queries: preparing it still raises `layout._check_lengths`' error, and the steps around it
+    are checked once, when the trace loads."""
+    bld = Builder()
+    bld.request(1, prompt(1, 20))
+    bld.step([bld.ctx(1)])
+    bld.step([bld.gen(1, 3, 1)])
+    bad = bld.gen(1, 3, 2)
+    bld.step([replace(bad, rope_pos=bad.rope_pos[:-1])])
+    trace = load_trace(bld.write(tmp_path / "t", "bad_lengths"))
+    assert trace.checked == {0, 1}
+    with pytest.raises(TraceError, match="do not fit q_len 4"):
+        _steps(trace)

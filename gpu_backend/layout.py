@@ -179,8 +179,10 @@ def _flat_indices(c: Columns, backend: str) -> tuple[np.ndarray, np.ndarray]:
         return np.arange(len(lens) + 1, dtype=np.int64) * width, ind
     # Same flat array as sim.check.access: the rows' pages end to end, indptr from the trace.
     starts = c["kv_indptr"]
-    end = starts[-1] + lens[-1] if len(lens) else 0
-    return np.append(starts, end), pages
+    indptr = np.empty(len(starts) + 1, np.int64)  # np.append: ~3x the host time
+    indptr[:-1] = starts
+    indptr[-1] = starts[-1] + lens[-1] if len(lens) else 0
+    return indptr, pages
 
 
 def _xqa_csr(c: Columns, backend: str, ind: np.ndarray, starts: np.ndarray,

@@ -171,7 +171,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     ok = not fill and not eng_nan and same and q_identity  # a CUDA graph could replay it
     prev, st.prev_step = st.prev_step, b.step
     _rewind(st, b)
-    truthprep.release(st, b.step, b.requests.tolist())
+    truthprep.release(st, b.step, b.requests)
     if not defer or (st.graphs is not None and graphs.candidate(b, ok, groups)):
         arrays |= first  # staged with the rest, in one go
         first = {}
@@ -214,7 +214,8 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     the kernels' inputs, the pages its events touched and its appends target, its graph."""
     b = p.b
     arrays |= _step_arrays(b) | run_arrays(b)
-    tset = unique(touched) if len(touched) else None
+    tset = None if not len(touched) else prepk.distinct(touched) \
+        if prepk.ENABLED and len(touched) <= prepk.SMALL else unique(touched)
     if tset is not None:
         arrays["touched"] = tset
     pages = st.trace.model.num_blocks + 2 * st.guard

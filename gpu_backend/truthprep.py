@@ -41,11 +41,11 @@ def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
                                                    strict=True))
 
 
-def release(st: HostState, step: int, requests: list[int]) -> None:
+def release(st: HostState, step: int, requests: list[int] | np.ndarray) -> None:
     """A request's slot is free for the next step's admissions after its last step (in row
     order: the order of the free list decides later admissions)."""
     if not prepk.ENABLED:  # the oracle
-        for req in requests:
+        for req in _ints(requests):
             if st.last.get(req) == step and req in st.slot:
                 st.free.append(st.slot.pop(req))
         return
@@ -57,9 +57,13 @@ def release(st: HostState, step: int, requests: list[int]) -> None:
     ending = st.ends.get(step)
     if not ending:
         return
-    for req in requests:
+    for req in _ints(requests):
         if req in ending and req in st.slot:
             st.free.append(st.slot.pop(req))
+
+
+def _ints(requests: list[int] | np.ndarray) -> list[int]:
+    return requests.tolist() if isinstance(requests, np.ndarray) else requests
 
 
 def admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:

@@ -109,7 +109,9 @@ def take_slots(st: HostState, requests: list[int], committed: list[int]
 def content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
                     ) -> tuple[bool, bool]:
     """Content inputs. Returns (engine NaN mask needed, truth content == engine content)."""
-    if prepk.ENABLED and len(b.app_tokens) == b.num_tokens:  # the usual step, in one pass
+    # the usual step in one pass; a long one in numpy, whose vectorized min and max beat the
+    # compiled loop (1.3 against ~0.3 ms at a 64 x 2k prompts' step's 131k tokens)
+    if prepk.ENABLED and len(b.app_tokens) == b.num_tokens and b.num_tokens <= prepk.SMALL:
         tok_m, pos_m, top, same = prepk.content(b.app_tokens, b.app_rope, b.rope_pos,
                                                 b.true_pos, M)
         arrays |= {"app_tok_m": tok_m, "app_pos_m": pos_m}

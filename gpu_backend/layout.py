@@ -257,10 +257,15 @@ def _truth_writes(c: Columns, B: int, guard: int, row_of_token: np.ndarray,
     return (np.unique(page[mine]), write_ok, page[rej], true_pos[rej] % B)
 
 
+def bad_lengths(q_len: np.ndarray, rope_len: np.ndarray, append_len: np.ndarray,
+                tokens_len: np.ndarray) -> np.ndarray:
+    """Per row: its lists' lengths contradict it. A device-ahead row appends more K/V than it
+    has queries; nothing else may differ."""
+    return (rope_len != q_len) | (q_len > append_len) | (append_len != tokens_len)
+
+
 def _check_lengths(rows: list[RowRecord], c: Columns) -> None:
-    """A device-ahead row appends more K/V than it has queries; nothing else may differ."""
-    q_len, a_len = c["q_len"], c["append_pos_len"]
-    bad = (c["rope_pos_len"] != q_len) | (q_len > a_len) | (a_len != c["tokens_len"])
+    bad = bad_lengths(c["q_len"], c["rope_pos_len"], c["append_pos_len"], c["tokens_len"])
     if bad.any():
         r = rows[int(np.argmax(bad))]
         raise TraceError(f"step {r.step} row {r.row}: tokens/append_pos/rope_pos lengths "

@@ -214,12 +214,13 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     the kernels' inputs, the pages its events touched and its appends target, its graph."""
     b = p.b
     arrays |= _step_arrays(b) | run_arrays(b)
-    tset = None if not len(touched) else prepk.distinct(touched) \
-        if prepk.ENABLED and len(touched) <= prepk.SMALL else unique(touched)
+    tset = None
+    if len(touched):
+        tset = prepk.distinct(touched) if prepk.takes(len(touched)) else unique(touched)
     if tset is not None:
         arrays["touched"] = tset
     pages = st.trace.model.num_blocks + 2 * st.guard
-    if prepk.ENABLED and len(b.engine_write) <= prepk.SMALL:
+    if prepk.takes(len(b.engine_write)):
         p.wpages, p.wcheck, p.wok = prepk.targets(
             b.engine_write, pages, _NONE if tset is None else tset, tset is not None,
             b.allowed_pages, b.write_ok)

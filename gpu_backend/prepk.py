@@ -28,6 +28,11 @@ ENABLED = True
 SMALL = 4096
 
 
+def takes(n: int) -> bool:
+    """Whether a pass takes a step of n appends (else its numpy does)."""
+    return ENABLED and n <= SMALL
+
+
 @nb.njit(cache=True)
 def targets(ew: np.ndarray, pages: int, touched: np.ndarray, has_touched: bool,
             allowed: np.ndarray, write_ok: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:

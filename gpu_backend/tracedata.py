@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from gpu_backend.layout import LISTS, SCALARS, Columns
+from gpu_backend.layout import LISTS, SCALARS, Columns, bad_lengths
 from sim.errors import TraceError
 from sim.trace.reader import read_trace
 from sim.trace.records import READABLE_VERSIONS, BlockEvent, RowRecord, StepRecord
@@ -164,10 +164,9 @@ def _columns(table: pa.Table, order: dict[int, list[int]]) -> dict[int, Columns]
 def _checked(table: pa.Table, order: dict[int, list[int]]) -> frozenset[int]:
     """`TraceData.checked`: the steps none of whose rows `layout._check_lengths` refuses (their
     columns are cut from the same table as their rows, so they fit them)."""
-    n = {k: _ints(pc.list_value_length(table.column(k)))
-         for k in ("rope_pos", "append_pos", "tokens")}
-    q_len = _ints(table.column("q_len"))
-    bad = (n["rope_pos"] != q_len) | (q_len > n["append_pos"]) | (n["append_pos"] != n["tokens"])
+    bad = bad_lengths(_ints(table.column("q_len")),
+                      *(_ints(pc.list_value_length(table.column(k)))
+                        for k in ("rope_pos", "append_pos", "tokens")))
     return frozenset(s for s, idx in order.items() if not bad[idx].any())
 
 

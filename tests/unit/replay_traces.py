@@ -269,6 +269,16 @@ def any_trace(tmp: Path, name: str) -> Path:
     return SCENARIOS[name](tmp / name) if name in SCENARIOS else fault_trace(tmp, name)
 
 
+def named_trace(tmp: Path, name: str, big_steps: int) -> Path:
+    """`any_trace`, or "default40" (`default_small`), or "big" (`big_verify` at batch 8 x kv
+    256 with `big_steps` generation steps): the traces the preparation's tests walk."""
+    if name == "default40":
+        return default_small(tmp)
+    if name == "big":
+        return big_verify(tmp / "big", batch=8, kv=256, steps=big_steps)
+    return any_trace(tmp, name)
+
+
 def write_all(out: Path) -> dict[str, Path]:
     return {name: fn(out / name) for name, fn in SCENARIOS.items()}
 

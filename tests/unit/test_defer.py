@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from replay_traces import FAULTS, SCENARIOS, any_trace, big_verify, default_small
+from replay_traces import FAULTS, SCENARIOS, named_trace
 
 from gpu_backend import driver, prepare
 from gpu_backend.driver import GUARD_PAGES, replay
@@ -25,11 +25,7 @@ NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS[:6]]
 
 
 def _trace(tmp: Path, name: str) -> TraceData:
-    if name == "default40":
-        return load_trace(default_small(tmp))
-    if name == "big":
-        return load_trace(big_verify(tmp / "big", batch=8, kv=256, steps=6))
-    return load_trace(any_trace(tmp, name))
+    return load_trace(named_trace(tmp, name, 6))
 
 
 def _state(trace: TraceData) -> HostState:

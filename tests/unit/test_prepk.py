@@ -12,15 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from replay_traces import (
-    FAULTS,
-    SCENARIOS,
-    Builder,
-    any_trace,
-    big_verify,
-    default_small,
-    prompt,
-)
+from replay_traces import FAULTS, SCENARIOS, Builder, named_trace, prompt
 
 from gpu_backend import prepare, prepk
 from gpu_backend.driver import GUARD_PAGES
@@ -36,11 +28,7 @@ _PASSES = ("targets", "identity_group", "seq_lens", "rewind", "content")
 
 
 def _trace(tmp: Path, name: str) -> TraceData:
-    if name == "default40":
-        return load_trace(default_small(tmp))
-    if name == "big":
-        return load_trace(big_verify(tmp / "big", batch=8, kv=256, steps=9))
-    return load_trace(any_trace(tmp, name))
+    return load_trace(named_trace(tmp, name, 9))
 
 
 def _steps(trace: TraceData) -> list[tuple[Prepared, dict[str, np.ndarray]]]:

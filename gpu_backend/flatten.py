@@ -17,13 +17,7 @@ drop_stale(__file__)  # before the kernels below load anything from numba's cach
 
 import numba as nb  # noqa: E402
 
-from gpu_backend.prepk import distinct  # noqa: E402
-
-
-@nb.njit(cache=True, inline="always")
-def _has(sorted_keys: np.ndarray, x: int) -> bool:
-    i = np.searchsorted(sorted_keys, x)
-    return bool(i < len(sorted_keys) and sorted_keys[i] == x)
+from gpu_backend.prepk import distinct, has  # noqa: E402
 
 
 @nb.njit(cache=True)
@@ -84,7 +78,7 @@ def flatten(q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
                 if blk < alloc_len[r] and len(alloc):
                     page = alloc[min(p0 + blk, len(alloc) - 1)]
                 page = page + guard if page >= 0 else -1
-                mine_ok = page >= 0 and blk >= lead[r] and not _has(shared, page - guard)
+                mine_ok = page >= 0 and blk >= lead[r] and not has(shared, page - guard)
                 # a page's tokens come in a run: the unique below sorts ~a page count
                 if mine_ok and (n_mine == 0 or mine[n_mine - 1] != page):
                     mine[n_mine] = page
@@ -114,6 +108,6 @@ def _owns(alloc: np.ndarray, p0: int, n: int, lead: int, shared: np.ndarray, pag
     not shared)? Only asked for a write that misses the page the truth names."""
     for i in range(lead, n):
         x = alloc[p0 + i]
-        if x == page and x >= 0 and not _has(shared, x):
+        if x == page and x >= 0 and not has(shared, x):
             return True
     return False

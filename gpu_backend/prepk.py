@@ -58,12 +58,12 @@ def targets(ew: np.ndarray, pages: int, touched: np.ndarray, has_touched: bool,
     n_new = 0
     if has_touched:  # the pages the events did not touch first, then those they did
         for x in w:
-            if not _has(touched, x):
+            if not has(touched, x):
                 wpages[n_new] = x
                 n_new += 1
         at = n_new
         for x in w:
-            if _has(touched, x):
+            if has(touched, x):
                 wpages[at] = x
                 at += 1
     else:
@@ -73,7 +73,7 @@ def targets(ew: np.ndarray, pages: int, touched: np.ndarray, has_touched: bool,
     wrong_keys = distinct(wrong[:nw])
     wok = np.empty(len(wpages), np.bool_)
     for i in range(len(wpages)):
-        wok[i] = _has(ok_keys, wpages[i]) and not _has(wrong_keys, wpages[i])
+        wok[i] = has(ok_keys, wpages[i]) and not has(wrong_keys, wpages[i])
     return wpages, n_new, wok
 
 
@@ -92,8 +92,9 @@ def distinct(a: np.ndarray) -> np.ndarray:
 
 
 @nb.njit(cache=True)
-def _has(sorted_keys: np.ndarray, x: int) -> bool:
-    """x is in sorted_keys (a binary search: numba's np.searchsorted compiles for longer)."""
+def has(sorted_keys: np.ndarray, x: int) -> bool:
+    """x is in sorted_keys (a binary search: numba's np.searchsorted compiles for longer).
+    `flatten` shares it."""
     lo, hi = 0, len(sorted_keys)
     while lo < hi:
         mid = (lo + hi) >> 1

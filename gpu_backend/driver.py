@@ -34,10 +34,11 @@ from typing import Protocol
 
 import torch
 
+from gpu_backend import oracle
 from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tests, tools)
 from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
-from gpu_backend.oracle import DEFAULT_TOL, TruthStore, reference, token_errors
+from gpu_backend.oracle import DEFAULT_TOL, TruthStore, beside, join, reference, token_errors
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
 from gpu_backend.readback import Pending, Sent, drain, send, settle
@@ -131,7 +132,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     dt = torch_dtype(m.dtype)
     pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt, device)
     slots, span, last = truth_shape(trace)
-    truth = TruthStore(slots, span, m.num_kv_heads, m.head_dim, dt, device)
+    truth = TruthStore(slots, span, m.num_kv_heads, m.head_dim, dt, device,
+                       side=_reference_beside(kernels, device))
     watch = make_watch(pool)
     make = getattr(kernels, "step_graphs", None)
     graphs = make(pool, truth, m.num_q_heads, watch) if callable(make) and not skip else None
@@ -161,6 +163,14 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     if graphs is not None:
         res.stats |= graphs.stats()
     return res
+
+
+def _reference_beside(kernels: Kernels, device: torch.device | str) -> bool:
+    """Whether the reference gets a stream of its own (`oracle.beside`): on CUDA, unless the
+    kernels are timed launch by launch, whose events would then time the reference's share of
+    the device too."""
+    timed = getattr(kernels, "timing", False) or getattr(kernels, "attn_timing", False)
+    return oracle.BESIDE and torch.device(device).type == "cuda" and not timed
 
 
 class Ahead:
@@ -294,22 +304,27 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
               skip: dict[int, str], hq: int, events: Callable[[], None] | None = None
               ) -> Callable[[Prepared | None], Pending]:
     """The step's content, kernels and reference; `events`, if any, run between the content's
-    and reference's launches and the kernels'."""
+    and reference's launches and the kernels'. With a stream for the reference
+    (`TruthStore.side`) it is queued there before the kernels and runs beside them."""
     kv, q, tq = _content(pool, truth, p, hq)
     ref = None
+    if events is not None or truth.side is not None:
+        with beside(truth.side):
+            ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
     if events is not None:
-        ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
         events()
     b = p.b
-    if b.step in skip:
-        watch.on_fault()
-        return lambda nxt: Pending(p, None, None, skip[b.step])
     try:
+        if b.step in skip:
+            watch.on_fault()
+            return lambda nxt: Pending(p, None, None, skip[b.step])
         out = kernels.run_step(pool, b, p.rows, p.dv, kv[0], kv[1], q)
     except KernelFault as e:
         watch.on_fault()
         msg = str(e)
         return lambda nxt: Pending(p, None, None, msg)
+    finally:  # before anything after the step reads what the reference reads or writes
+        join(truth.side)
     if ref is None:
         ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
     tok = token_errors(out, ref)

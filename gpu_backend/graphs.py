@@ -326,6 +326,7 @@ class StepGraphs:
         """The step's device work over the static buffers, results into e.out: what the driver
         does for an eager step (`driver._apply_events`, the watch, `driver._one_step`)."""
         from gpu_backend import poolk, refattn
+        from gpu_backend.oracle import beside, join
         from gpu_backend.pool import content_kv_q
 
         R, W = key[0], key[1]
@@ -345,16 +346,19 @@ class StepGraphs:
         kv, q = content_kv_q(v["app_tok_m"], v["app_pos_m"], hkv, self.hq, d, m.dtype,
                              truth=(tr, v["tslot"], v["true_pos"]))
         assert q is not None
+        side = self.truth.side  # the reference a branch of the graph beside the kernels
+        with beside(side):
+            ref = refattn.attend(q.view(R, W, self.hq, d), tr, v["slots"], v["limit"],
+                                 int(tr.shape[3]))
         self.k.fi.append_paged_kv_cache(kv[0], kv[1], v["app_row"], v["append_pos"], m,
                                         v["kv_indices"], v["kv_indptr"], v["last_page_len"],
                                         kv_layout="NHD")
         out = torch.full_like(q, float("nan"))
         e.wrapper.run(q, m, out=out)
-        ref = refattn.attend(q.view(R, W, self.hq, d), tr, v["slots"], v["limit"],
-                             int(tr.shape[3]))
-        refattn.token_errors(out, ref.view(n, self.hq, d),
-                             into=e.out[: 8 * n].view(torch.float32).view(2, n))
         if self.checks:
             poolk.graph_post(pool.words, v["params"], v["wpages"], wt.sums, wt.pre,
                              e.out[8 * n:].view(torch.int8))
+        join(side)
+        refattn.token_errors(out, ref.view(n, self.hq, d),
+                             into=e.out[: 8 * n].view(torch.float32).view(2, n))
 

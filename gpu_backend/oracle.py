@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 import numpy as np
@@ -28,6 +30,10 @@ VERDICTS = ("ok", "mismatch", "nan", "corrupt", "fault")
 # a foreign page moves the output by > 5e-2. 2e-2 leaves ~4x margin both ways.
 DEFAULT_TOL = 2e-2
 FUSED = True  # the reference through gpu_backend.refattn (one Triton launch) where it runs
+# the reference on a stream of its own beside the kernels (`TruthStore.side`, `beside`): the
+# GPU then runs it while the append and attention run, which leave part of it idle (a prompts'
+# step's reference is 64 launches of one row each); False: in order on the replay's stream
+BESIDE = True
 
 
 @functools.lru_cache(maxsize=1)
@@ -128,12 +134,35 @@ class TruthStore:
     handed out on the host (`prepare`)."""
 
     def __init__(self, slots: int, span: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, side: bool = False):
         self.kv = torch.zeros((2, slots, kv_heads, span, head_dim), dtype=dtype, device=device)
+        # the stream the reference runs on (`beside`), or None: in order on the current stream
+        self.side = torch.cuda.Stream(device) if side else None
 
     def write(self, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
         """kv [2, n, H_kv, D] (content_blocks' K and V) at (slot, position) pairs."""
         self.kv[:, slots, :, pos] = kv.permute(1, 0, 2, 3)
+
+
+@contextmanager
+def beside(side: torch.cuda.Stream | None) -> Iterator[None]:
+    """Queue the work inside on `side` (None: where it is), after everything queued so far on
+    the current stream: the content that wrote the truth and the queries the reference reads.
+    Nothing else reads or writes them before `join`, after which the current stream's work
+    (the token errors, the next step's content) waits for it. Inside a graph's capture the two
+    streams are two branches of the graph."""
+    if side is None:
+        yield
+        return
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+
+
+def join(side: torch.cuda.Stream | None) -> None:
+    """The current stream waits for the work `beside` queued on `side`."""
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
 
 
 def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],

@@ -152,3 +152,21 @@ def test_joined_reads_each_array_from_its_own_chunk() -> None:
     assert buf is b.bufs["d64"] and n == 5
     with pytest.raises(KeyError):
         j["nothing"]
+
+
+@pytest.mark.parametrize(("timing", "attn_timing", "device", "want"), [
+    (False, False, "cuda", True), (False, False, "cuda:0", True), (False, False, "cpu", False),
+    (True, False, "cuda", False), (False, True, "cuda", False)])
+def test_the_reference_gets_a_stream_of_its_own_only_on_cuda_and_untimed(
+        monkeypatch: pytest.MonkeyPatch, timing: bool, attn_timing: bool, device: str,
+        want: bool) -> None:
+    """A concurrent reference would run inside the timed launches' events (`_reference_beside`):
+    timed kernels keep it in order, and so does `oracle.BESIDE = False`."""
+    class Timed:
+        name = "flashinfer"
+
+    k = Timed()
+    k.timing, k.attn_timing = timing, attn_timing  # type: ignore[attr-defined]
+    assert driver._reference_beside(k, device) is want  # type: ignore[arg-type]
+    monkeypatch.setattr(driver.oracle, "BESIDE", False)
+    assert driver._reference_beside(k, device) is False  # type: ignore[arg-type]

@@ -40,12 +40,16 @@ from gpu_backend.tlaunch import Launcher
 def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
                    so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0)  # row * HKV + kv head
-    r = pid // HKV
+    # the device starts programs in order, axis 0 first: a row's programs one after the other
+    # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
+    # otherwise spread each wave over every row), and within a row the last tile of queries
+    # first: a causal prompt's last tiles read the most keys (the longest first shortens the
+    # tail). One row, or rows of one tile each, start in the order of the grid before it
+    # (row * HKV + kv head, then the tiles): the same programs, the same bits
+    pid = tl.program_id(0)  # tile of queries * HKV + kv head
+    r = tl.program_id(1)
     h = pid % HKV
-    # the last tile of queries first: a causal prompt's last tiles read the most keys, and the
-    # device starts programs in order (the longest first shortens the launch's tail)
-    tile = tl.num_programs(1) - 1 - tl.program_id(1)
+    tile = tl.num_programs(0) // HKV - 1 - pid // HKV
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query = (group head gi, position w)
     valid = i < G * W
     w = i % W
@@ -107,7 +111,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
         raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
-    grid = (R * hkv, triton.cdiv(g * W, bm))
+    grid = (triton.cdiv(g * W, bm) * hkv, R)
     _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
             kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
             out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,

@@ -139,7 +139,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     graphs = make(pool, truth, m.num_q_heads, watch) if callable(make) and not skip else None
     state = HostState(trace, GUARD_PAGES, m.max_position, last=last,
                       free=list(range(slots))[::-1],
-                      graphs=graphs.planner if graphs is not None else None)
+                      graphs=graphs.planner if graphs is not None else None,
+                      together=oracle.together(device))
     res = ReplayResult(kernels.name, str(trace.path), tol)
     res.watch = watch.name
     # the first step deferred: its content and reference run before the rest is prepared
@@ -309,8 +310,12 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
     kv, q, tq = _content(pool, truth, p, hq)
     ref = None
     if events is not None or truth.side is not None:
+        # its output from the current stream's memory: the side stream allocates nothing large
+        # (a prompts' step's is 0.5 GB at 64 x 2k), which its own cache would hold apart
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device) \
+            if truth.side is not None else None
         with beside(truth.side):
-            ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
+            ref = reference(truth, p.dv, p.groups, q if tq is None else tq, out)
     if events is not None:
         events()
     b = p.b

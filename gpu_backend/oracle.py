@@ -34,6 +34,9 @@ FUSED = True  # the reference through gpu_backend.refattn (one Triton launch) wh
 # GPU then runs it while the append and attention run, which leave part of it idle (a prompts'
 # step's reference is 64 launches of one row each); False: in order on the replay's stream
 BESIDE = True
+# a step's context rows in one reference launch where the fused kernel runs, not one a row
+# (`refgroups.ref_groups(together=)`, `refattn.attend_rows`); False: one a row
+TOGETHER = True
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,11 +140,23 @@ class TruthStore:
                  device: torch.device | str, side: bool = False):
         self.kv = torch.zeros((2, slots, kv_heads, span, head_dim), dtype=dtype, device=device)
         # the stream the reference runs on (`beside`), or None: in order on the current stream
-        self.side = torch.cuda.Stream(device) if side else None
+        self.side = _side_stream(torch.device(device)) if side else None
 
     def write(self, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
         """kv [2, n, H_kv, D] (content_blocks' K and V) at (slot, position) pairs."""
         self.kv[:, slots, :, pos] = kv.permute(1, 0, 2, 3)
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream a device for every replay of the process: what the caching allocator
+    holds for a stream is reused by the same stream only."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _side_streams(index)
+
+
+@functools.cache
+def _side_streams(index: int) -> torch.cuda.Stream:
+    return torch.cuda.Stream(index)
 
 
 @contextmanager
@@ -159,6 +174,12 @@ def beside(side: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
+def together(device: torch.device | str) -> bool:
+    """Whether a step's context rows share one reference launch (`TOGETHER`): only
+    `refattn.attend_rows` takes such a group, on CUDA."""
+    return TOGETHER and FUSED and torch.device(device).type == "cuda" and _refattn() is not None
+
+
 def join(side: torch.cuda.Stream | None) -> None:
     """The current stream waits for the work `beside` queued on `side`."""
     if side is not None:
@@ -166,17 +187,26 @@ def join(side: torch.cuda.Stream | None) -> None:
 
 
 def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
-              q: torch.Tensor) -> torch.Tensor:
+              q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 reference output [nnz_q, Hq, D] for q [nnz_q, Hq, D] (built at true positions).
     On the GPU one Triton launch per group (`refattn`: the truth slots are read in place), else
-    `attend` over the group's truth K/V."""
+    `attend` over the group's truth K/V. out: where the launches write it, if given (fp32
+    [nnz_q, Hq, D]; the torch path may return another tensor)."""
     n, Hq, D = q.shape
     fused = _refattn() if FUSED and q.is_cuda else None
     if fused is not None and not fused.supported(q, truth.kv):
         fused = None
-    out: torch.Tensor | None = None
     for g in groups:
         pre = g.pre
+        if g.ragged:  # context rows of any lengths, by token, in place
+            if fused is None:
+                raise RuntimeError("a reference group of context rows together needs "
+                                   "gpu_backend.refattn (HostState.together)")
+            if out is None:
+                out = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
+            fused.attend_rows(q, truth.kv, dv[pre + "slots"], dv[pre + "rows"], g.W, g.L,
+                              out=out)
+            continue
         if g.view:  # the group's tokens in order: q and the output as views (`RefGroup.view`)
             at = slice(g.span[0], g.span[0] + g.R * g.W) if g.span is not None else slice(0, n)
             qg = q[at].view(g.R, g.W, Hq, D)

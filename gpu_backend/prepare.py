@@ -92,6 +92,8 @@ class HostState:
     graphs: Planner | None = None
     graph_caps: dict[tuple[int, int], GraphKey] = field(default_factory=dict)
     prev_step: int = -1  # the step prepared last
+    # a step's context rows in one reference group (`refgroups.ref_groups`, `oracle.together`)
+    together: bool = False
     start_seconds: float = 0.0  # of `seconds`: starting the preparation workers, if any
     # with workers: seconds by where they went (the loop's receiving, all workers' own time)
     timing: dict[str, float] = field(default_factory=dict)
@@ -165,7 +167,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     first: dict[str, np.ndarray] = {}  # what the content and the reference read
     slots, fill = truthprep.admit(st, b, first)
     eng_nan, same = truthprep.content_arrays(st, b, first)
-    groups = ref_groups(b, slots, first)
+    groups = ref_groups(b, slots, first, together=st.together)
     first |= {"tslot": slots[b.row_of_token], "true_pos": b.true_pos}
     q_identity = b.num_tokens == len(b.app_tokens)
     ok = not fill and not eng_nan and same and q_identity  # a CUDA graph could replay it

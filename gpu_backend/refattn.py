@@ -39,7 +39,8 @@ from gpu_backend.tlaunch import Launcher
 @triton.jit
 def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
                    so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
-                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   RAGGED: tl.constexpr):
     # the device starts programs in order, axis 0 first: a row's programs one after the other
     # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
     # otherwise spread each wave over every row), and within a row the last tile of queries
@@ -51,13 +52,24 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
     h = pid % HKV
     tile = tl.num_programs(0) // HKV - 1 - pid // HKV
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query = (group head gi, position w)
-    valid = i < G * W
-    w = i % W
-    head = h * G + i // W
+    if RAGGED:  # LIMIT: [3, R] rows (first token, queries, committed keys); Q, OUT by token
+        wr = tl.load(LIMIT + sl_r + r)
+        valid = i < G * wr
+        w = i % wr
+        head = h * G + i // wr
+        at_q = (tl.load(LIMIT + r) + w) * sq_w
+        at_o = (tl.load(LIMIT + r) + w) * so_w
+        lim = tl.load(LIMIT + 2 * sl_r + r) + w  # query j of a context row: committed + j
+    else:
+        valid = i < G * W
+        w = i % W
+        head = h * G + i // W
+        at_q = r * sq_r + w * sq_w
+        at_o = r * so_r + w * so_w
+        lim = tl.load(LIMIT + r * sl_r + w, mask=valid, other=0)  # padding queries see key 0
     d = tl.arange(0, D)
-    q = tl.load(Q + r * sq_r + w[:, None] * sq_w + head[:, None] * sq_h + d[None, :],
-                mask=valid[:, None], other=0.0)
-    lim = tl.load(LIMIT + r * sl_r + w, mask=valid, other=0)  # padding queries see key 0
+    q = tl.load(Q + at_q[:, None] + head[:, None] * sq_h + d[None, :], mask=valid[:, None],
+                other=0.0)
     base = KV + tl.load(SLOTS + r) * skv_s + h * skv_h
     # the tile's last visible key + 1: every key past it is masked for all of the tile's queries
     # (a causal prompt's early tiles stop early: half the work of a prefill row, bit for bit the
@@ -83,8 +95,7 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
         acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
         m = m_new
     o = acc / den[:, None]
-    tl.store(OUT + r * so_r + w[:, None] * so_w + head[:, None] * so_h + d[None, :], o,
-             mask=valid[:, None])
+    tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -110,13 +121,45 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
     elif out.shape != (R, W, Hq, D) or out.dtype != torch.float32 or out.stride(-1) != 1:
         raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
-    bm = 16 if g * W <= 16 else 32 if g * W <= 32 else 64
-    grid = (triton.cdiv(g * W, bm) * hkv, R)
-    _attend(grid, q, kv, slots, limit, out, q.stride(0), q.stride(1), q.stride(2),
-            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0), out.stride(1),
-            out.stride(2), limit.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D, BLOCK_M=bm,
-            BLOCK_N=64)
+    bm = _block_m(g * W, R)
+    _attend((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, q.stride(0),
+            q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+            out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
+            1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=64, RAGGED=False)
     return out
+
+
+def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+                W: int, L: int, out: torch.Tensor) -> torch.Tensor:
+    """`attend` of context rows of several lengths in one launch (`refgroups`' together
+    group): q [n, Hq, D] is the step's, row r's queries the tokens rows[0, r] ..
+    rows[0, r] + rows[1, r] - 1, query j seeing keys <= rows[2, r] + j (its committed keys + j,
+    as a causal context row's), over slot slots[r]; W: the longest row, L: the keys any row
+    reads. Writes those tokens of out [n, Hq, D] fp32 (the step's) and nothing else. A row's
+    bits are those of its own `attend` launch with the same tiles (W's tile height)."""
+    n, Hq, D = q.shape
+    hkv = int(kv.shape[2])
+    g, R = Hq // hkv, int(rows.shape[1])
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if out.shape != q.shape or out.dtype != torch.float32 or out.stride(-1) != 1 or \
+            rows.dtype != torch.int64 or rows.stride(-1) != 1:
+        raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, rows: int64 "
+                         f"[3, R] contiguous; not {out.dtype} {tuple(out.shape)}, "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    bm = _block_m(g * W, R)
+    _attend((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
+            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
+            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
+            BLOCK_M=bm, BLOCK_N=64, RAGGED=True)
+    return out
+
+
+def _block_m(queries: int, rows: int) -> int:
+    """The tile of queries for rows of `queries` (group heads x width) each; the rows are the
+    grid's axis 1 (at most 65,535)."""
+    if rows > 65_535:
+        raise ValueError(f"{rows} rows in one reference launch: at most 65,535")
+    return 16 if queries <= 16 else 32 if queries <= 32 else 64
 
 
 @triton.jit

@@ -28,6 +28,10 @@ class RefGroup:
     lo: int
     identity: bool
     span: tuple[int, int] | None
+    # context rows of any lengths in one launch (`ref_groups(together=)`, `refattn.attend_rows`):
+    # `{pre}rows` [3, R] holds each row's first token, queries and committed keys; q and the
+    # output are the step's own, by token
+    ragged: bool = False
 
     @property
     def view(self) -> bool:
@@ -39,18 +43,28 @@ class RefGroup:
 
 
 def ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
-               fast: bool = True) -> list[RefGroup]:
+               fast: bool = True, together: bool = False) -> list[RefGroup]:
     """The reference's batches: the gen rows in one group, each ctx row alone (as before).
     fast: a step of equal-width gen rows takes `_identity_group`, a ctx row
-    `_single_row_group` (the general path is their oracle in tests)."""
+    `_single_row_group` (the general path is their oracle in tests). together: the ctx rows
+    with queries in one group instead (`_ragged_group`; where `refattn`'s kernel runs, which
+    alone takes such a group)."""
     if fast and not b.is_ctx.any() and b.num_rows and b.q_len[0] > 0 and \
             (b.q_len == b.q_len[0]).all():
         return [_identity_group(b, slots, arrays)]
-    gen = np.flatnonzero(~b.is_ctx)
-    rows_of = ([gen] if gen.size else []) + [np.array([i]) for i in np.flatnonzero(b.is_ctx)]
+    gen, ctx = np.flatnonzero(~b.is_ctx), np.flatnonzero(b.is_ctx)
+    if together and (b.q_len[ctx] > 0).sum() > 1:
+        some = b.q_len[ctx] > 0
+        rows_of = [gen] if gen.size else []
+        rows_of += [ctx[some]] + [np.array([i]) for i in ctx[~some]]
+    else:
+        rows_of = ([gen] if gen.size else []) + [np.array([i]) for i in ctx]
     out = []
     for g, rows in enumerate(rows_of):
         pre = f"g{g}_"
+        if len(rows) > 1 and b.is_ctx[rows[0]]:
+            out.append(_ragged_group(b, rows, slots, arrays, pre))
+            continue
         if fast and len(rows) == 1 and b.q_len[rows[0]] > 0:
             out.append(_single_row_group(b, int(rows[0]), slots, arrays, pre))
             continue
@@ -86,6 +100,20 @@ def _single_row_group(b: StepBatch, r: int, slots: np.ndarray, arrays: dict[str,
     j = np.arange(W, dtype=np.int64)
     arrays |= {pre + "limit": (c + j)[None, :], pre + "slots": slots[r: r + 1]}
     return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W))
+
+
+def _ragged_group(b: StepBatch, rows: np.ndarray, slots: np.ndarray,
+                  arrays: dict[str, np.ndarray], pre: str) -> RefGroup:
+    """`ref_groups`' context rows together: one launch for a prompts' step instead of one a
+    row (each a tail of idle programs, ~20 µs of host for its arrays and launch), and a few
+    numbers a row staged instead of each query's limit (the kernel takes committed + j)."""
+    sl = slots[rows]
+    ql, c = b.q_len[rows].astype(np.int64), b.committed[rows].astype(np.int64)
+    arrays |= {pre + "slots": sl, pre + "rows": np.stack([b.qo_indptr[rows].astype(np.int64),
+                                                            ql, c])}
+    consecutive = bool(np.all(np.diff(sl) == 1))
+    return RefGroup(pre, len(rows), int(ql.max()), int((c + ql).max()),
+                    int(sl[0]) if consecutive else -1, int(c.min()) + 1, False, None, True)
 
 
 def _identity_group(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray]) -> RefGroup:

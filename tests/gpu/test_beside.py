@@ -1,21 +1,26 @@
-"""The fp32 reference on a stream of its own (`oracle.BESIDE`, `TruthStore.side`): launched off
-the replay's stream, in eager steps and inside the graphs, and the replay's rows and errors bit
-for bit those of the reference run in order."""
+"""The fp32 reference on a stream of its own (`oracle.BESIDE`, `TruthStore.side`) and a step's
+context rows in one reference launch (`oracle.TOGETHER`, `refattn.attend_rows`): launched off
+the replay's stream, in eager steps and inside the graphs, and the replay's verdicts those of the
+reference run in order, a context row a launch (its errors bit for bit with the rows alone)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from replay_traces import SCENARIOS, big_verify
 
 from gpu_backend import oracle, refattn
 from gpu_backend.driver import replay
+from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData, load_trace
 
 pytestmark = pytest.mark.gpu
+NAMES = ["clean_mtp", "overlap_uncorrected", "big_verify", "append_past_alloc",
+         "shared_block_written"]
 
 
 def _trace(tmp: Path, name: str) -> TraceData:
@@ -24,26 +29,28 @@ def _trace(tmp: Path, name: str) -> TraceData:
     return load_trace(SCENARIOS[name](tmp / name))
 
 
-def _fi(trace: TraceData) -> Any:
+def _replay(trace: TraceData, monkeypatch: pytest.MonkeyPatch, beside: bool,
+            together: bool) -> ReplayResult:
     from gpu_backend.replay import FlashInferKernels
 
-    return FlashInferKernels(trace.model.num_q_heads, "cuda")
+    monkeypatch.setattr(oracle, "BESIDE", beside)
+    monkeypatch.setattr(oracle, "TOGETHER", together)
+    return replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
 
 
-def _rows(res: Any) -> list[tuple[Any, ...]]:
-    """Each row's verdict and error, bit for bit (NaN as a string: NaN != NaN)."""
-    return [(r.step, r.row, r.request, r.verdict, r.message,
-             r.err if r.err == r.err else "nan") for r in res.rows]
+def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:
+    return [(r.step, r.row, r.request, r.verdict, r.message) for r in res.rows]
 
 
-@pytest.mark.parametrize("name", ["clean_mtp", "overlap_uncorrected", "big_verify",
-                                  "append_past_alloc", "shared_block_written"])
+def _errs(res: ReplayResult) -> np.ndarray:
+    return np.array([r.err for r in res.rows], dtype=np.float64)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_the_reference_beside_the_kernels_gives_the_in_order_rows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     trace = _trace(tmp_path, name)
-    monkeypatch.setattr(oracle, "BESIDE", False)
-    in_order = replay(trace, _fi(trace), "cuda")
-    monkeypatch.setattr(oracle, "BESIDE", True)
+    in_order = _replay(trace, monkeypatch, False, False)
     streams: list[int] = []
     attend = refattn.attend
 
@@ -52,8 +59,32 @@ def test_the_reference_beside_the_kernels_gives_the_in_order_rows(
         return attend(*a, **kw)
 
     monkeypatch.setattr(refattn, "attend", spy)
-    side = replay(trace, _fi(trace), "cuda")
+    side = _replay(trace, monkeypatch, True, False)
     assert _rows(side) == _rows(in_order)
+    np.testing.assert_array_equal(_errs(side), _errs(in_order))  # NaN where NaN
     assert side.stats.get("graph_replays") == in_order.stats.get("graph_replays")
     main = torch.cuda.current_stream().cuda_stream
     assert streams and main not in streams
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("beside", [False, True])
+def test_context_rows_in_one_launch_give_the_rows_alone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, beside: bool) -> None:
+    trace = _trace(tmp_path, name)
+    alone = _replay(trace, monkeypatch, False, False)
+    launches: list[int] = []
+    rows = refattn.attend_rows
+
+    def spy(*a: Any, **kw: Any) -> torch.Tensor:
+        launches.append(int(a[3].shape[1]))
+        return rows(*a, **kw)
+
+    monkeypatch.setattr(refattn, "attend_rows", spy)
+    together = _replay(trace, monkeypatch, beside, True)
+    assert _rows(together) == _rows(alone)
+    # a row's tiles are its own launch's but for their height where it was under 64 queries
+    np.testing.assert_allclose(_errs(together), _errs(alone), rtol=0, atol=1e-5)
+    ctx = sum(1 for r in trace.rows[trace.steps[0].step] if r.phase == "ctx")
+    if ctx > 1 or name == "big_verify":  # the prompts' step: its rows in one launch
+        assert launches and launches[0] == ctx

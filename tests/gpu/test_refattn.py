@@ -150,6 +150,37 @@ def test_reference_kernel_on_causal_prompts(fused: ModuleType) -> None:
     assert torch.equal(out[:, 0], kv[1, slots, :, 0].float().repeat_interleave(Hq // Hkv, 1))
 
 
+@pytest.mark.parametrize("committed", [0, 37])
+def test_context_rows_in_one_launch_are_each_rows_own(fused: ModuleType, committed: int) -> None:
+    # `attend_rows`: rows of several lengths (each >= 16 queries a group head: the tiles of
+    # their own launches), their tokens anywhere in the step's q, slots in any order, prompts
+    # or chunks after `committed` keys. Each row bit for bit its own `attend`; the tokens of
+    # no row (a gen row's, between them) left as they were
+    g = torch.Generator(device=DEV).manual_seed(13)
+    Hq, Hkv, D = 32, 8, 128
+    lens, slots = [700, 64, 1003, 300], [3, 0, 4, 1]
+    first = [5, 5 + 700 + 2, 5 + 700 + 2 + 64, 5 + 700 + 2 + 64 + 1003 + 9]
+    n, span = first[-1] + lens[-1] + 4, committed + max(lens)
+    kv = (torch.rand(2, 5, Hkv, span, D, device=DEV, generator=g) * 2 - 1).bfloat16()
+    q = ((torch.rand(n, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
+    rows = torch.tensor([first, lens, [committed] * 4], device=DEV)
+    out = torch.full((n, Hq, D), float("nan"), device=DEV)
+    got = fused.attend_rows(q, kv, torch.tensor(slots, device=DEV), rows, max(lens), span,
+                            out=out)
+    assert got.data_ptr() == out.data_ptr()
+    mine = torch.zeros(n, dtype=torch.bool, device=DEV)
+    for t0, w, s in zip(first, lens, slots, strict=True):
+        lim = (committed + torch.arange(w, device=DEV))[None, :]
+        alone = fused.attend(q[t0: t0 + w][None], kv, torch.tensor([s], device=DEV), lim,
+                             committed + w)[0]
+        assert _same(out[t0: t0 + w], alone)
+        mine[t0: t0 + w] = True
+    assert out[~mine].isnan().all()
+    with pytest.raises(ValueError, match="rows"):
+        fused.attend_rows(q, kv, torch.tensor(slots, device=DEV), rows.int(), max(lens), span,
+                          out=out)
+
+
 def test_reference_kernel_on_a_misaligned_query_view(fused: ModuleType) -> None:
     # Launcher keys on 16-byte alignment: a view 2 bytes in must not reuse the aligned kernel
     g = torch.Generator(device=DEV).manual_seed(7)

@@ -82,9 +82,9 @@ def _order(trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
     order: list[tuple[str, int]] = []
     ref, rest = driver.reference, prepare._rest
 
-    def logged_ref(truth: Any, dv: Any, groups: Any, q: Any) -> torch.Tensor:
+    def logged_ref(truth: Any, dv: Any, groups: Any, q: Any, out: Any = None) -> torch.Tensor:
         order.append(("reference", len(q)))
-        return ref(truth, dv, groups, q)
+        return ref(truth, dv, groups, q, out)
 
     def logged_rest(*a: Any) -> None:
         order.append(("rest", a[-1].b.step))

@@ -17,6 +17,7 @@ from replay_traces import (
     any_trace,
     big_verify,
     default_small,
+    named_trace,
     prompt,
 )
 
@@ -195,6 +196,36 @@ def test_the_fast_groups_are_the_general_ones(tmp_path: Path, name: str) -> None
         taken += not b.is_ctx.any() and bool((b.q_len == b.q_len[0]).all())
         ctx += int((b.is_ctx & (b.q_len > 0)).sum())
     assert taken and ctx  # steps and rows the fast paths take
+
+
+def test_a_steps_context_rows_together_are_its_rows_alone(tmp_path: Path) -> None:
+    """`ref_groups(together=True)` (where `refattn.attend_rows` runs) makes a prompts' step's
+    context rows, of several lengths, one group: each row's first token, queries and committed
+    keys, from which the kernel takes the limits each row's own group stages; the slots, key
+    bound and lowest limit of those groups. A lone context row keeps its own group."""
+    t = load_trace(named_trace(tmp_path, "big", 6))
+    s = t.steps[0]
+    b = build_step(s, t.rows[s.step], t.model.page_size, 16, cols=t.columns.get(s.step))
+    assert b.is_ctx.all() and len(set(b.q_len.tolist())) > 1  # prompts of several lengths
+    slots = np.arange(5, 5 + b.num_rows, dtype=np.int64)
+    alone: dict[str, np.ndarray] = {}
+    together: dict[str, np.ndarray] = {}
+    rows = refgroups.ref_groups(b, slots, alone)
+    (g,) = refgroups.ref_groups(b, slots, together, together=True)
+    assert len(rows) == b.num_rows and not any(r.ragged for r in rows)
+    first, width, committed = together["g0_rows"]
+    for i, r in enumerate(rows):
+        assert r.span == (first[i], first[i] + width[i])
+        assert alone[r.pre + "limit"].tolist() == [list(range(committed[i],
+                                                               committed[i] + width[i]))]
+    assert np.array_equal(together["g0_slots"],
+                          np.concatenate([alone[r.pre + "slots"] for r in rows]))
+    assert (g.R, g.W, g.L, g.s0, g.lo, g.identity, g.span, g.view, g.ragged) == \
+        (b.num_rows, int(b.q_len.max()), max(r.L for r in rows), 5, min(r.lo for r in rows),
+         False, None, False, True)
+    one = build_step(s, t.rows[s.step][:1], t.model.page_size, 16)
+    assert refgroups.ref_groups(one, slots, {}, together=True) == \
+        refgroups.ref_groups(one, slots, {})
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

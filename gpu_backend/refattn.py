@@ -197,27 +197,42 @@ def token_errors(out: torch.Tensor, ref: torch.Tensor,
 @triton.jit
 def _content_kernel(TOK, POS, A, P, C, KV, QO, TR, SLOT, TPOS, n, N, turn, st_c, st_s, st_h,
                     st_l, GAIN: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr,
-                    TRUTH: tl.constexpr):
-    t = tl.program_id(0)  # tokens on grid x: y and z stop at 65,535 (a prompt step has more)
+                    TRUTH: tl.constexpr, TOKENS: tl.constexpr):
+    # TOKENS tokens a program, on grid x (y and z stop at 65,535: a prompt step has more): a
+    # block's coefficients are loaded once for them (`CONTENT_TOKENS`)
     blk = tl.program_id(1)
     i = tl.arange(0, BLOCK)
     inside = i < N
     a = tl.load(A + blk * N + i, mask=inside)
     p = tl.load(P + blk * N + i, mask=inside)
     c = tl.load(C + blk * N + i, mask=inside)
-    # float64 integer arithmetic, exact below 2^53 (pool.content_blocks): any order, fma or not,
-    # and fmod give the bits of torch's addcmul/remainder
-    ph = (c + tl.load(TOK + t) * a + tl.load(POS + t) * p) % 1000003.0
-    x = libdevice.sin(ph.to(tl.float32) * turn)  # __nv_sinf: CUDA's sinf, as torch's sin
-    t64 = t.to(tl.int64)
-    if blk >= 2:  # Q, in the kernels' [n, heads, D] layout (head = (blk - 2) * H_kv + h)
-        tl.store(QO + (t64 * (tl.num_programs(1) - 2) + blk - 2) * N + i,
-                 (x * GAIN).to(QO.dtype.element_ty), mask=inside)
-    else:  # K, V: [2, n, H_kv, D]
-        tl.store(KV + (blk * n + t64) * N + i, x.to(KV.dtype.element_ty), mask=inside)
-        if TRUTH:  # and into the truth store at (slot, true position): [2, slots, H_kv, span, D]
-            at = blk * st_c + tl.load(SLOT + t) * st_s + tl.load(TPOS + t) * st_l
-            tl.store(TR + at + (i // D) * st_h + i % D, x.to(TR.dtype.element_ty), mask=inside)
+    for j in tl.static_range(TOKENS):
+        t = tl.program_id(0) * TOKENS + j
+        live = t < n
+        keep = inside & live
+        # float64 integer arithmetic, exact below 2^53 (pool.content_blocks): any order, fma or
+        # not, and fmod give the bits of torch's addcmul/remainder
+        ph = (c + tl.load(TOK + t, mask=live, other=0.0) * a
+              + tl.load(POS + t, mask=live, other=0.0) * p) % 1000003.0
+        x = libdevice.sin(ph.to(tl.float32) * turn)  # __nv_sinf: CUDA's sinf, as torch's sin
+        t64 = t.to(tl.int64)
+        if blk >= 2:  # Q, in the kernels' [n, heads, D] layout (head = (blk - 2) * H_kv + h)
+            tl.store(QO + (t64 * (tl.num_programs(1) - 2) + blk - 2) * N + i,
+                     (x * GAIN).to(QO.dtype.element_ty), mask=keep)
+        else:  # K, V: [2, n, H_kv, D]
+            tl.store(KV + (blk * n + t64) * N + i, x.to(KV.dtype.element_ty), mask=keep)
+            if TRUTH:  # and the truth store at (slot, true position): [2, slots, H_kv, span, D]
+                at = blk * st_c + tl.load(SLOT + t, mask=live, other=0) * st_s + \
+                    tl.load(TPOS + t, mask=live, other=0) * st_l
+                tl.store(TR + at + (i // D) * st_h + i % D, x.to(TR.dtype.element_ty),
+                         mask=keep)
+
+
+# tokens a content program writes in a long step (a prompts' step): each program loaded its
+# block's three float64 coefficient rows (24 KB at H_kv x D = 1024) for one token, 786k
+# programs at 64 x 2k; a step of fewer tokens keeps one a program (enough programs for the SMs)
+CONTENT_TOKENS = 8
+CONTENT_LONG = 1 << 14
 
 
 def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tensor, ...],
@@ -236,10 +251,12 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
         if blocks > 2 else None
     if n:
         tr, slot, tpos = truth if truth is not None else (kv, tok, tok)
-        _content((n, blocks), tok, pos, a, p, c, kv, kv if q is None else q, tr, slot, tpos,
-                 n, hkv * d, turn, tr.stride(0), tr.stride(1), tr.stride(2),
+        per = CONTENT_TOKENS if n >= CONTENT_LONG else 1
+        _content((triton.cdiv(n, per), blocks), tok, pos, a, p, c, kv, kv if q is None else q,
+                 tr, slot, tpos, n, hkv * d, turn, tr.stride(0), tr.stride(1), tr.stride(2),
                  tr.stride(3) if tr.dim() > 3 else 0, GAIN=gain,
-                 BLOCK=triton.next_power_of_2(hkv * d), D=d, TRUTH=truth is not None)
+                 BLOCK=triton.next_power_of_2(hkv * d), D=d, TRUTH=truth is not None,
+                 TOKENS=per)
     return kv, q
 
 

@@ -49,6 +49,9 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     (1, True, torch.bfloat16, (2, 8, 64)), (256, True, torch.bfloat16, (8, 32, 128)),
     (300, False, torch.float16, (2, 8, 64)),
     (131_072, True, torch.bfloat16, (8, 32, 128)),  # a prompt step: past grid y's 65,535
+    # CONTENT_TOKENS a program (n >= CONTENT_LONG), the last program's tokens partly past n,
+    # truth writes too
+    (20_003, True, torch.bfloat16, (8, 32, 128)),
 ])
 def test_content_kernel_is_bitwise_the_torch_path(fused: ModuleType,
                                                   monkeypatch: pytest.MonkeyPatch, n: int,
@@ -58,7 +61,7 @@ def test_content_kernel_is_bitwise_the_torch_path(fused: ModuleType,
     rng = np.random.default_rng(n)
     tok = torch.as_tensor(mod_m(rng.integers(0, 200_000, n)), device=DEV)
     pos = torch.as_tensor(mod_m(rng.integers(0, 1 << 20, n)), device=DEV)
-    slots, span = 7, 64
+    slots, span = (7, 64) if n <= 448 else (40, 512)
     truth_args = None  # unique (slot, position) cells, as a step's truth writes are
     if n <= slots * span:
         cell = torch.as_tensor(rng.permutation(slots * span)[:n], device=DEV)

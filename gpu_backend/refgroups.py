@@ -42,19 +42,27 @@ class RefGroup:
         return self.identity or (self.R == 1 and self.span is not None)
 
 
+# context rows of at most this many keys go together (`ref_groups(together=)`): on the H200 a
+# 64 x 2k prompts' step's reference in one launch moved the first generation step 0.7 ms sooner,
+# but at 64 x 8k and 128 x 8k 4 and 13 ms later (round 27): a row's K/V (33 MB at 8k) then no
+# longer shares the 50 MB L2 with the next row's, as a launch a row keeps it alone. 4k untried
+TOGETHER_KEYS = 4096
+
+
 def ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
                fast: bool = True, together: bool = False) -> list[RefGroup]:
     """The reference's batches: the gen rows in one group, each ctx row alone (as before).
     fast: a step of equal-width gen rows takes `_identity_group`, a ctx row
     `_single_row_group` (the general path is their oracle in tests). together: the ctx rows
-    with queries in one group instead (`_ragged_group`; where `refattn`'s kernel runs, which
-    alone takes such a group)."""
+    with queries and at most TOGETHER_KEYS keys in one group instead (`_ragged_group`; where
+    `refattn`'s kernel runs, which alone takes such a group)."""
     if fast and not b.is_ctx.any() and b.num_rows and b.q_len[0] > 0 and \
             (b.q_len == b.q_len[0]).all():
         return [_identity_group(b, slots, arrays)]
     gen, ctx = np.flatnonzero(~b.is_ctx), np.flatnonzero(b.is_ctx)
-    if together and (b.q_len[ctx] > 0).sum() > 1:
-        some = b.q_len[ctx] > 0
+    keys = b.committed[ctx].astype(np.int64) + b.q_len[ctx]
+    some = (b.q_len[ctx] > 0) & (keys <= TOGETHER_KEYS)
+    if together and some.sum() > 1:
         rows_of = [gen] if gen.size else []
         rows_of += [ctx[some]] + [np.array([i]) for i in ctx[~some]]
     else:

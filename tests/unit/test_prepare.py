@@ -228,6 +228,27 @@ def test_a_steps_context_rows_together_are_its_rows_alone(tmp_path: Path) -> Non
         refgroups.ref_groups(one, slots, {})
 
 
+def test_long_context_rows_stay_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows of more than `TOGETHER_KEYS` keys keep a group each, together or not; the rest of
+    the step's context rows still share one."""
+    t = load_trace(named_trace(tmp_path, "big", 6))
+    s = t.steps[0]
+    b = build_step(s, t.rows[s.step], t.model.page_size, 16, cols=t.columns.get(s.step))
+    slots = np.arange(b.num_rows, dtype=np.int64)
+    keys = b.committed.astype(np.int64) + b.q_len
+    monkeypatch.setattr(refgroups, "TOGETHER_KEYS", int(np.sort(keys)[2]))
+    arrays: dict[str, np.ndarray] = {}
+    groups = refgroups.ref_groups(b, slots, arrays, together=True)
+    long = int((keys > refgroups.TOGETHER_KEYS).sum())
+    assert 0 < long < b.num_rows - 1 and len(groups) == 1 + long
+    assert groups[0].ragged and groups[0].R == b.num_rows - long
+    assert all(g.R == 1 and not g.ragged for g in groups[1:])
+    assert sorted(arrays["g0_slots"].tolist() + [int(arrays[g.pre + "slots"][0])
+                                                 for g in groups[1:]]) == slots.tolist()
+    monkeypatch.setattr(refgroups, "TOGETHER_KEYS", int(keys.min()) - 1)
+    assert refgroups.ref_groups(b, slots, {}, together=True) == refgroups.ref_groups(b, slots, {})
+
+
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_advance_rewinds_as_prepare_does(tmp_path: Path, name: str) -> None:
     """A worker walking a step it hands to the next step's worker (`advance`, rewind) leaves

@@ -31,8 +31,9 @@ VERDICTS = ("ok", "mismatch", "nan", "corrupt", "fault")
 DEFAULT_TOL = 2e-2
 FUSED = True  # the reference through gpu_backend.refattn (one Triton launch) where it runs
 # the reference on a stream of its own beside the kernels (`TruthStore.side`, `beside`): the
-# GPU then runs it while the append and attention run, which leave part of it idle (a prompts'
-# step's reference is 64 launches of one row each); False: in order on the replay's stream
+# GPU then runs it while the append and attention run. On the H200 a generation step's graph
+# took 0.96-0.98x the time (round 27); a prompts' step did not move (its reference and prefill
+# each fill the device). False: in order on the replay's stream
 BESIDE = True
 # a step's context rows in one reference launch where the fused kernel runs, not one a row
 # (`refgroups.ref_groups(together=)`, `refattn.attend_rows`); False: one a row

@@ -134,9 +134,10 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     """`attend` of context rows of several lengths in one launch (`refgroups`' together
     group): q [n, Hq, D] is the step's, row r's queries the tokens rows[0, r] ..
     rows[0, r] + rows[1, r] - 1, query j seeing keys <= rows[2, r] + j (its committed keys + j,
-    as a causal context row's), over slot slots[r]; W: the longest row, L: the keys any row
-    reads. Writes those tokens of out [n, Hq, D] fp32 (the step's) and nothing else. A row's
-    bits are those of its own `attend` launch with the same tiles (W's tile height)."""
+    as a causal context row's), over slot slots[r]; every row has a query; W: the longest row,
+    L: the keys any row reads. Writes those tokens of out [n, Hq, D] fp32 (the step's) and
+    nothing else. A row's bits are those of its own `attend` launch with the same tiles (W's
+    tile height)."""
     n, Hq, D = q.shape
     hkv = int(kv.shape[2])
     g, R = Hq // hkv, int(rows.shape[1])

@@ -175,16 +175,16 @@ def beside(side: torch.cuda.Stream | None) -> Iterator[None]:
         yield
 
 
-def together(device: torch.device | str) -> bool:
-    """Whether a step's context rows share one reference launch (`TOGETHER`): only
-    `refattn.attend_rows` takes such a group, on CUDA."""
-    return TOGETHER and FUSED and torch.device(device).type == "cuda" and _refattn() is not None
-
-
 def join(side: torch.cuda.Stream | None) -> None:
     """The current stream waits for the work `beside` queued on `side`."""
     if side is not None:
         torch.cuda.current_stream().wait_stream(side)
+
+
+def together(device: torch.device | str) -> bool:
+    """Whether a step's context rows share one reference launch (`TOGETHER`): only
+    `refattn.attend_rows` takes such a group, on CUDA."""
+    return TOGETHER and FUSED and torch.device(device).type == "cuda" and _refattn() is not None
 
 
 def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],

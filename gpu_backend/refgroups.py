@@ -60,9 +60,8 @@ def ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
             (b.q_len == b.q_len[0]).all():
         return [_identity_group(b, slots, arrays)]
     gen, ctx = np.flatnonzero(~b.is_ctx), np.flatnonzero(b.is_ctx)
-    keys = b.committed[ctx].astype(np.int64) + b.q_len[ctx]
-    some = (b.q_len[ctx] > 0) & (keys <= TOGETHER_KEYS)
-    if together and some.sum() > 1:
+    some = _together(b, ctx) if together else None
+    if some is not None and some.sum() > 1:
         rows_of = [gen] if gen.size else []
         rows_of += [ctx[some]] + [np.array([i]) for i in ctx[~some]]
     else:
@@ -108,6 +107,13 @@ def _single_row_group(b: StepBatch, r: int, slots: np.ndarray, arrays: dict[str,
     j = np.arange(W, dtype=np.int64)
     arrays |= {pre + "limit": (c + j)[None, :], pre + "slots": slots[r: r + 1]}
     return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W))
+
+
+def _together(b: StepBatch, ctx: np.ndarray) -> np.ndarray:
+    """Which of the context rows `ctx` may share a launch: with queries, at most
+    TOGETHER_KEYS keys."""
+    keys = b.committed[ctx].astype(np.int64) + b.q_len[ctx]
+    return (b.q_len[ctx] > 0) & (keys <= TOGETHER_KEYS)
 
 
 def _ragged_group(b: StepBatch, rows: np.ndarray, slots: np.ndarray,

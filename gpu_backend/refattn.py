@@ -21,6 +21,7 @@ exactly 0, so skipping them changes nothing).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -37,24 +38,20 @@ from gpu_backend.tlaunch import Launcher
 
 
 @triton.jit
-def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, PART, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h,
-                   skv_l, so_r, so_w, so_h, sl_r, W, G, L, HKV, S, CHUNK, scale,
+def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
+                   so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RAGGED: tl.constexpr, SPLIT: tl.constexpr):
+                   RAGGED: tl.constexpr):
     # the device starts programs in order, axis 0 first: a row's programs one after the other
     # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
     # otherwise spread each wave over every row), and within a row the last tile of queries
     # first: a causal prompt's last tiles read the most keys (the longest first shortens the
     # tail). One row, or rows of one tile each, start in the order of the grid before it
     # (row * HKV + kv head, then the tiles): the same programs, the same bits
-    # SPLIT: S programs share a (tile, kv head), each the keys of one chunk of CHUNK (the
-    # innermost index of axis 0); their partial softmax states go to PART, `_merge_kernel` joins
-    pid = tl.program_id(0)  # (tile of queries * HKV + kv head) * S + chunk
+    pid = tl.program_id(0)  # tile of queries * HKV + kv head
     r = tl.program_id(1)
-    c = pid % S
-    pid = pid // S
     h = pid % HKV
-    tile = tl.num_programs(0) // S // HKV - 1 - pid // HKV
+    tile = tl.num_programs(0) // HKV - 1 - pid // HKV
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # query = (group head gi, position w)
     if RAGGED:  # LIMIT: [3, R] rows (first token, queries, committed keys); Q, OUT by token
         wr = tl.load(LIMIT + sl_r + r)
@@ -79,13 +76,11 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, PART, sq_r, sq_w, sq_h, skv_kv, skv
     # (a causal prompt's early tiles stop early: half the work of a prefill row, bit for bit the
     # same output, since a fully masked block leaves m, den and acc exactly as they were)
     hi = tl.minimum(tl.max(tl.where(valid, lim, 0), 0) + 1, L)
-    lo = c * CHUNK  # 0 unsplit (CHUNK >= L)
-    hi = tl.minimum(hi, lo + CHUNK)
     # a finite start: a fully masked tile then gives alpha = 1, p = 0, not NaN
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
+    for n0 in range(0, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         inside = (n < hi)[:, None]
         k = tl.load(base + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
@@ -100,41 +95,8 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, PART, sq_r, sq_w, sq_h, skv_kv, skv
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
         acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
         m = m_new
-    if SPLIT:  # PART: acc [S, R, W, Hq, D], then (m, den) [S, R, W, Hq, 2] (past hi: -1e30, 0)
-        n_acc = tl.cast(S, tl.int64) * tl.num_programs(1) * W * G * HKV
-        at = ((c.to(tl.int64) * tl.num_programs(1) + r) * W + w) * (G * HKV) + head
-        tl.store(PART + at[:, None] * D + d[None, :], acc, mask=valid[:, None])
-        tl.store(PART + n_acc * D + 2 * at, m, mask=valid)
-        tl.store(PART + n_acc * D + 2 * at + 1, den, mask=valid)
-    else:
-        o = acc / den[:, None]
-        tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
-
-
-@triton.jit
-def _merge_kernel(PART, OUT, so_r, so_w, so_h, R, W, S, D: tl.constexpr):
-    # one program a (row, query, head): the chunks' states rescaled to their common max, as the
-    # online softmax rescales a chunk's blocks, summed in chunk order. A chunk past the row's
-    # keys adds exact zeros (m -1e30, den 0), so the bits do not depend on S, and one chunk
-    # gives acc / den exactly as the unsplit kernel (alpha = exp(0) = 1); chunk 0 always sees
-    # key 0, so the max is finite
-    rw = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    hq = tl.num_programs(1)
-    d = tl.arange(0, D)
-    rw_all = tl.cast(R, tl.int64) * W
-    states = PART + S * rw_all * hq * D
-    top = tl.load(states + 2 * (rw * hq + head))
-    for c in range(1, S):
-        top = tl.maximum(top, tl.load(states + 2 * ((c * rw_all + rw) * hq + head)))
-    acc = tl.zeros([D], tl.float32)
-    den = 0.0
-    for c in range(0, S):
-        at = (c * rw_all + rw) * hq + head
-        alpha = tl.exp(tl.load(states + 2 * at) - top)
-        acc += tl.load(PART + at * D + d) * alpha
-        den += tl.load(states + 2 * at + 1) * alpha
-    tl.store(OUT + (rw // W) * so_r + (rw % W) * so_w + head * so_h + d, acc / den)
+    o = acc / den[:, None]
+    tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -161,44 +123,12 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
         raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     bm = _block_m(g * W, R)
-    tiles = triton.cdiv(g * W, bm) * hkv
-    S, chunk = _chunks(g * W, L, R * W * Hq * (D + 2) * 4)
-    part = torch.empty(S * R * W * Hq * (D + 2), dtype=torch.float32, device=q.device) \
-        if S > 1 else out
-    _attend((tiles * S, R), q, kv, slots, limit, out, part, q.stride(0), q.stride(1),
-            q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), out.stride(0),
-            out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv, S, chunk,
-            1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=BLOCK_N, RAGGED=False, SPLIT=S > 1)
-    if S > 1:
-        _merge((R * W, Hq), part, out, out.stride(0), out.stride(1), out.stride(2), R, W, S,
-               D=D)
+    bn, launch = _launch(g * W)
+    launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, q.stride(0),
+           q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+           out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
+           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False)
     return out
-
-
-BLOCK_N = 64
-# a launch whose queries of a row and kv head fit one small tile (a generation step's: 16 at
-# MTP W = 4 and GQA 4, 512 programs at 64 rows of 8 kv heads) splits the keys into chunks of
-# SPLIT_KEYS, one program a chunk, as FlashInfer's decode splits the kv: a program had streamed
-# a whole row's keys alone, the SMs a few programs each. The chunks are fixed (not L's share),
-# so a row's bits do not depend on L (a graph's key bound is the truth store's span, an eager
-# step's its longest row), unless their fp32 states would pass PART_BYTES: then twice as many
-# keys a chunk, as often as it takes. 0: no split
-SPLIT_KEYS = 512
-SPLIT_QUERIES = 32
-PART_BYTES = 1 << 28
-
-
-def _chunks(queries: int, L: int, chunk_bytes: int) -> tuple[int, int]:
-    """(chunks, keys a chunk) of a launch of `queries` a row and kv head (group heads x width)
-    over L keys, `chunk_bytes` of states a chunk: (1, L) unsplit (one chunk's bits are the
-    unsplit kernel's)."""
-    if SPLIT_KEYS <= 0 or queries > SPLIT_QUERIES:
-        return 1, max(L, 1)
-    chunk = SPLIT_KEYS
-    while triton.cdiv(L, chunk) > 1 and triton.cdiv(L, chunk) * chunk_bytes > PART_BYTES:
-        chunk *= 2
-    S = triton.cdiv(L, chunk)
-    return (S, chunk) if S > 1 else (1, max(L, 1))
 
 
 def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
@@ -220,11 +150,34 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
                          f"[3, R] contiguous; not {out.dtype} {tuple(out.shape)}, "
                          f"{rows.dtype} {tuple(rows.shape)}")
     bm = _block_m(g * W, R)
-    _attend((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, out, 0, q.stride(0),
-            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
-            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1, max(L, 1),
-            1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=BLOCK_N, RAGGED=True, SPLIT=False)
+    bn, launch = _launch(g * W)
+    launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
+           q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
+           out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
+           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True)
     return out
+
+
+# (BLOCK_N, warps, stages) of the reference's launches: a generation step's (one tile of
+# queries a row and kv head, ONE_TILE) and the others (prompts, chunks). The stages only
+# pipeline the loads: the same bits. A step's: 2 stages took 0.88x 3's time at kv 2k-8k
+# (36 configs, docs/gpu.md round 5); 32-key blocks on 3 stages 0.89-0.94x in a probe (round
+# 24) but not in a whole replay. The others: 3 stages 0.96x 2's at a 64 x 2k prompts' step
+# (round 28: 9.00 against 9.37 ms)
+STEP_LAUNCH = (64, 4, 2)
+ROWS_LAUNCH = (64, 4, 3)
+ONE_TILE = 64
+
+
+def _launch(queries: int) -> tuple[int, Launcher]:
+    """(BLOCK_N, launcher) of a launch of `queries` a row and kv head."""
+    bn, warps, stages = STEP_LAUNCH if queries <= ONE_TILE else ROWS_LAUNCH
+    return bn, _launcher(warps, stages)
+
+
+@functools.cache
+def _launcher(warps: int, stages: int) -> Launcher:
+    return Launcher(_attend_kernel, num_warps=warps, num_stages=stages)
 
 
 def _block_m(queries: int, rows: int) -> int:
@@ -333,11 +286,5 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
     return kv, q
 
 
-# num_stages 2, not 3: bit-identical output, 12% less device time at kv 2k-8k, the same at
-# batch 256 kv 8k (36 configs timed on the H200, docs/gpu.md round 5). A generation step's
-# launch on 32-key blocks and 3 stages timed 0.89-0.94x in a probe (round 24), but a whole
-# replay's device-bound steps did not move (2.33-2.36x against 2.34-2.35): not kept
-_attend = Launcher(_attend_kernel, num_warps=4, num_stages=2)
-_merge = Launcher(_merge_kernel, num_warps=4)
 _token_err = Launcher(_token_err_kernel, num_warps=4)
 _content = Launcher(_content_kernel, num_warps=4)

@@ -137,61 +137,6 @@ def test_reference_kernel_matches_torch_fp32_and_fp64(fused: ModuleType, R: int,
         assert (out - ref32).abs().max().item() < 6e-6  # the torch path: 1e-6 / 3.4e-6 to fp64
 
 
-@pytest.mark.parametrize(("R", "span", "keys"), [
-    (64, 2100, 512),  # the benchmark's verify step: 5 chunks
-    (5, 700, 64),  # chunks of one key block
-    (3, 3000, 256),
-])
-def test_keys_in_chunks_are_the_unsplit_reference_and_their_bits_not_L_s(
-        fused: ModuleType, monkeypatch: pytest.MonkeyPatch, R: int, span: int, keys: int) -> None:
-    # `refattn.SPLIT_KEYS`: one program a chunk of keys, `_merge_kernel` joins them. Row 0 ends
-    # inside chunk 0 (the unsplit bits), the others anywhere; a graph passes the truth store's
-    # span as L, an eager step its longest row: the same bits
-    g = torch.Generator(device=DEV).manual_seed(R + span)
-    W, Hq, Hkv, D = 4, 32, 8, 128
-    kv = (torch.rand(2, R + 2, Hkv, span, D, device=DEV, generator=g) * 2 - 1).bfloat16()
-    q = ((torch.rand(R, W, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
-    slots = torch.randperm(R + 2, device=DEV, generator=g)[:R]
-    committed = torch.randint(1, span - W, (R,), device=DEV, generator=g)
-    committed[0] = keys - W - 1
-    limit = committed[:, None] + torch.arange(W, device=DEV)[None, :]
-    L = int(limit.max()) + 1
-    monkeypatch.setattr(fused, "SPLIT_KEYS", keys)
-    assert fused._chunks(Hq // Hkv * W, L, 1)[0] > 1
-    split = [fused.attend(q, kv, slots, limit, L) for _ in range(2)]  # compile, then direct
-    wide = fused.attend(q, kv, slots, limit, span)
-    monkeypatch.setattr(fused, "SPLIT_KEYS", 0)
-    whole = fused.attend(q, kv, slots, limit, L)
-    assert _same(split[0], split[1]) and _same(split[0], wide)
-    assert _same(split[0][0], whole[0])
-    assert (split[0] - whole).abs().max().item() < 2e-6
-    ref64 = _fp64(q, kv[0, slots, :, :L], kv[1, slots, :, :L], limit)
-    assert (split[0].double() - ref64).abs().max().item() < 3e-6
-
-
-def test_chunks_grow_past_the_states_budget(fused: ModuleType,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    # the chunks' fp32 states past `PART_BYTES`: twice the keys a chunk until they fit; a launch
-    # of many queries a row (a prefill chunk's) is not split
-    monkeypatch.setattr(fused, "SPLIT_KEYS", 64)
-    assert fused._chunks(16, 700, 10) == (11, 64)
-    monkeypatch.setattr(fused, "PART_BYTES", 30)
-    assert fused._chunks(16, 700, 10) == (3, 256)
-    assert fused._chunks(16, 100, 10 ** 9) == (1, 100)
-    assert fused._chunks(64, 700, 10) == (1, 700)
-    g = torch.Generator(device=DEV).manual_seed(5)
-    R, W, Hq, Hkv, D, span = 2, 4, 8, 2, 64, 700
-    kv = (torch.rand(2, R, Hkv, span, D, device=DEV, generator=g) * 2 - 1).bfloat16()
-    q = ((torch.rand(R, W, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
-    slots = torch.tensor([1, 0], device=DEV)
-    limit = torch.tensor([[600], [650]], device=DEV) + torch.arange(W, device=DEV)[None, :]
-    monkeypatch.setattr(fused, "PART_BYTES", 3 * R * W * Hq * (D + 2) * 4)
-    assert fused._chunks(Hq // Hkv * W, span, R * W * Hq * (D + 2) * 4) == (3, 256)
-    out = fused.attend(q, kv, slots, limit, span)
-    ref64 = _fp64(q, kv[0, slots], kv[1, slots], limit)
-    assert (out.double() - ref64).abs().max().item() < 3e-6
-
-
 def test_reference_kernel_on_causal_prompts(fused: ModuleType) -> None:
     # a prompt's rows start at 0: each tile of queries stops at its own last visible key. 1000
     # queries: tiles of 64 that span two heads (the tile's keys end at the first head's last)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from gpu_backend import hostpool
 from sim.jit_cache import drop_stale
 
 drop_stale(__file__)  # before the kernels below load anything from numba's cache
@@ -156,18 +157,43 @@ def content(tokens: np.ndarray, rope: np.ndarray, rope_pos: np.ndarray, true_pos
     RoPE position (-1: none); the engine's RoPE positions are the truth's)."""
     n = len(tokens)
     tok_m, pos_m = np.empty(n, np.float64), np.empty(n, np.float64)
+    top, same = content_part(tokens, rope, rope_pos, true_pos, M, tok_m, pos_m, 0, n)
+    return tok_m, pos_m, top, same and len(rope_pos) == len(true_pos)
+
+
+@nb.njit(cache=True, nogil=True)
+def content_part(tokens: np.ndarray, rope: np.ndarray, rope_pos: np.ndarray,
+                 true_pos: np.ndarray, M: int, tok_m: np.ndarray, pos_m: np.ndarray, i0: int,
+                 i1: int) -> tuple[int, bool]:
+    """`content` over [i0, i1) into tok_m and pos_m: (the largest RoPE position there, -1 if
+    none; rope_pos == true_pos there, as far as both reach). Releases the GIL
+    (`content_split`)."""
     top = -1
-    for i in range(n):
+    for i in range(i0, i1):
         t, p = tokens[i], rope[i]
         top = max(top, p)
         tok_m[i] = t if 0 <= t < M else t % M  # an int64 % is ~40 cycles: only when needed
         pos_m[i] = p if 0 <= p < M else p % M
-    same = len(rope_pos) == len(true_pos)
-    for i in range(len(rope_pos) if same else 0):
+    same = True
+    for i in range(i0, min(i1, len(rope_pos), len(true_pos))):
         if rope_pos[i] != true_pos[i]:
             same = False
             break
-    return tok_m, pos_m, top, same
+    return top, same
+
+
+def content_split(tokens: np.ndarray, rope: np.ndarray, rope_pos: np.ndarray,
+                  true_pos: np.ndarray, M: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
+    """`content` in parts, one a thread (`hostpool`): a long step's (the prompts' step's,
+    whose preparation the device waits for)."""
+    n, parts = len(tokens), hostpool.threads()
+    tok_m, pos_m = np.empty(n, np.float64), np.empty(n, np.float64)
+    cuts = [i * n // parts for i in range(parts + 1)]
+    got = list(hostpool.pool().map(
+        lambda i: content_part(tokens, rope, rope_pos, true_pos, M, tok_m, pos_m, cuts[i],
+                               cuts[i + 1]), range(parts)))
+    top = max((t for t, _ in got), default=-1)
+    return tok_m, pos_m, top, all(s for _, s in got) and len(rope_pos) == len(true_pos)
 
 
 def warm() -> None:

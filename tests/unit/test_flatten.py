@@ -6,6 +6,7 @@ scenarios and the fault catalog's traces."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, any_trace
 
-from gpu_backend.layout import _FLAT, _flat_compiled, _flat_indices, _flat_numpy, build_step
+from gpu_backend import flatten, hostpool, layout
+from gpu_backend.layout import _FLAT, TAIL, _flat_compiled, _flat_indices, _flat_numpy, build_step
 from gpu_backend.tracedata import load_trace
 
 
@@ -77,3 +79,60 @@ def test_every_step_flattens_the_same_compiled(tmp_path: Path, name: str) -> Non
             got = getattr(fast, k)
             assert (got.dtype, got.tolist()) == (v.dtype, v.tolist()) \
                 if isinstance(v, np.ndarray) else got == v, k
+
+
+def _args(c: dict[str, np.ndarray], B: int, guard: int, shared: np.ndarray,
+          backend: str) -> tuple[Any, ...]:
+    indptr, ind = _flat_indices(c, backend)
+    return (c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"], c["tokens"],
+            c["committed"], c["alloc"], c["alloc_len"], c["shared_blocks"], c["is_gen"],
+            c["new_tokens"], indptr, ind, np.sort(shared), B, guard, TAIL)
+
+
+def _equal(a: tuple[np.ndarray, ...], b: tuple[np.ndarray, ...]) -> None:
+    assert len(a) == len(b) == len(_FLAT)
+    for k, x, y in zip(_FLAT, a, b, strict=True):
+        assert (x.dtype, x.tolist()) == (y.dtype, y.tolist()), k
+
+
+@settings(max_examples=300, deadline=None)
+@given(_rows(), st.sampled_from(["fa2", "xqa"]), st.integers(1, 6))
+def test_the_threaded_pass_gives_the_one_pass_arrays(
+        case: tuple[dict[str, np.ndarray], int, int, np.ndarray], backend: str,
+        parts: int) -> None:
+    c, B, guard, shared = case
+    args = _args(c, B, guard, shared, backend)
+    _equal(flatten.split(parts, *args), flatten.flatten(*args))
+
+
+@pytest.mark.parametrize("name", ["clean_mtp", "shared_block_written", "append_past_alloc",
+                                  "overlap_uncorrected"])
+def test_a_long_step_is_split_across_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             name: str) -> None:
+    """A scenario's longest steps through `build_step` with the split threshold at 1 and 3
+    threads, some pages shared: the arrays of the one pass (and the split really ran)."""
+    t = load_trace(any_trace(tmp_path, name))
+    pages = sorted({p for rows in t.rows.values() for r in rows for p in r.alloc if p >= 0})
+    calls: list[int] = []
+    real = flatten.split
+
+    def split(parts: int, *args: Any) -> tuple[np.ndarray, ...]:
+        calls.append(parts)
+        return real(parts, *args)
+
+    monkeypatch.setattr(flatten, "split", split)
+    monkeypatch.setattr(hostpool, "threads", lambda: 3)
+    longest = sorted((s for s in t.steps if t.rows[s.step]),
+                     key=lambda s: -sum(len(r.append_pos) for r in t.rows[s.step]))[:4]
+    for i, s in enumerate(longest):
+        shared = np.array(pages[i % 3::3], dtype=np.int64)
+        args = (s, t.rows[s.step], t.model.page_size, 16, shared, t.columns.get(s.step))
+        monkeypatch.setattr(layout, "SPLIT", 1 << 30)
+        one = build_step(*args)
+        monkeypatch.setattr(layout, "SPLIT", 1)
+        split = build_step(*args)
+        for k, v in vars(one).items():
+            got = getattr(split, k)
+            assert (got.dtype, got.tolist()) == (v.dtype, v.tolist()) \
+                if isinstance(v, np.ndarray) else got == v, k
+    assert calls == [3] * len(longest) and longest

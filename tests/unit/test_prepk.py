@@ -14,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, Builder, named_trace, prompt
 
-from gpu_backend import prepare, prepk
+from gpu_backend import flatten, hostpool, layout, prepare, prepk, truthprep
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.intsets import member, unique
+from gpu_backend.pool import M
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
 from gpu_backend.tracedata import TraceData, load_trace
 from gpu_backend.truthprep import truth_shape
@@ -83,6 +84,62 @@ def test_every_step_is_prepared_as_the_numpy_prepares_it(tmp_path: Path, name: s
         assert all(getattr(p, f) == getattr(q, f) for f in _FIELDS), p.b.step
         assert p.wpages.dtype == q.wpages.dtype and np.array_equal(p.wpages, q.wpages)
         assert p.wok.dtype == q.wok.dtype and np.array_equal(p.wok, q.wok)
+
+
+@pytest.mark.parametrize("name", ["big", "clean_mtp", "shared_block_written", *FAULTS[:4]])
+def test_every_step_split_across_threads_is_prepared_the_same(
+        tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step's long passes split across 3 threads (`flatten.split`,
+    `prepk.content_split`: the split length at 1): the arrays, operations and groups of the
+    numpy preparation, and the split passes ran."""
+    trace = _trace(tmp_path, name)
+    monkeypatch.setattr(prepk, "ENABLED", False)
+    want = _steps(trace)
+    monkeypatch.setattr(prepk, "ENABLED", True)
+    monkeypatch.setattr(hostpool, "threads", lambda: 3)
+    monkeypatch.setattr(layout, "SPLIT", 1)
+    monkeypatch.setattr(truthprep, "SPLIT", 1)
+    calls: Counter[str] = Counter()
+    for mod, fn in ((flatten, "split"), (prepk, "content_split")):
+        real = getattr(mod, fn)
+
+        def counted(*a: Any, _real: Any = real, _fn: str = fn) -> Any:
+            calls[_fn] += 1
+            return _real(*a)
+
+        monkeypatch.setattr(mod, fn, counted)
+    got = _steps(trace)
+    assert calls["split"] >= len(got) > 0 and calls["content_split"] > 0, calls
+    for (p, a), (q, b) in zip(got, want, strict=True):
+        assert list(a) == list(b), p.b.step
+        assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True)
+                   for k in a), p.b.step
+        assert all(getattr(p, f) == getattr(q, f) for f in _FIELDS), p.b.step
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(-3, 1 << 21), st.integers(-3, 1 << 21)), max_size=40),
+       st.lists(st.integers(0, 9), max_size=40), st.integers(0, 3), st.integers(1, 5))
+def test_content_split_is_content(tp: list[tuple[int, int]], rope: list[int], shorter: int,
+                                  parts: int) -> None:
+    """`prepk.content_split` in 1-5 parts against the one-pass `content`: tokens and RoPE
+    positions past M and below 0 (taken mod M), query positions that differ from the truth's
+    anywhere, or are shorter."""
+    tok = np.array([t for t, _ in tp], dtype=np.int64)
+    pos = np.array([p for _, p in tp], dtype=np.int64)
+    rp = np.array(rope, dtype=np.int64)
+    truth = rp.copy()
+    if len(truth) and shorter == 1:
+        truth[len(truth) // 2] += 1
+    elif shorter == 2:
+        truth = truth[: len(truth) // 2]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(hostpool, "threads", lambda: parts)
+        got = prepk.content_split(tok, pos, rp, truth, M)
+    want = prepk.content(tok, pos, rp, truth, M)
+    assert all(np.array_equal(x, y) and x.dtype == y.dtype for x, y in zip(got[:2], want[:2],
+                                                                            strict=True))
+    assert got[2:] == want[2:]
 
 
 def test_the_big_trace_takes_every_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

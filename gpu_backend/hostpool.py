@@ -1,0 +1,37 @@
+"""The host's threads for a long step's compiled passes (`flatten.split`,
+`prepk.content_split`): the prompts' step, whose preparation the device waits for before its
+first launch. The passes release the GIL, so the parts run at once on the host's cores."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+THREADS = 8  # at most (fewer where the host has fewer cores)
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def threads() -> int:
+    """Threads a long step's passes are split across on this host (1: not split)."""
+    return min(THREADS, os.cpu_count() or 1)
+
+
+def pool() -> ThreadPoolExecutor:
+    """This process's threads, started on first use (a forked process starts its own)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(threads(), thread_name_prefix="kvsim-host"))
+    return _POOL[1]
+
+
+def _stop() -> None:
+    """Before a fork (the preparation workers', `gpu_backend.forks`): the idle threads end, so
+    the process forks with one thread (a fork beside live threads may copy a lock one of them
+    holds, and Python 3.12 warns of it). The next long step starts them again."""
+    global _POOL
+    if _POOL is not None and _POOL[0] == os.getpid():
+        _POOL[1].shutdown(wait=True)
+    _POOL = None
+
+
+os.register_at_fork(before=_stop)

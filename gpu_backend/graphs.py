@@ -220,13 +220,15 @@ class StepGraphs:
         # the step's own copy: the next replay rewrites e.out. Measured no better on the H200:
         # a pinned host copy a step, which the read-back need not gather (52-58 µs a step with
         # the views against 28-40, round 14); the graph copying its results into a ring slot
-        # itself (three more kernels a step: 0.01-0.02 ms slower a step, round 15)
-        n, dev = p.b.num_tokens, e.out.device  # the layout of `_out`
-        tok = rawcopy.into(torch.empty((2, n), dtype=torch.float32, device=dev), e.out, 0,
-                           self.stream)
-        moved = rawcopy.into(torch.empty(len(p.wpages), dtype=torch.bool, device=dev), e.out,
-                             8 * n, self.stream) if self.checks else None
-        return tok, moved
+        # itself (three more kernels a step: 0.01-0.02 ms slower a step, round 15). One copy
+        # of both results, viewed apart: a copy and an allocation cost the loop 13-35 µs a
+        # step on the H200's host (round 29)
+        n = p.b.num_tokens  # the layout of `_out`
+        w = len(p.wpages) if self.checks else 0
+        both = rawcopy.into(torch.empty(8 * n + w, dtype=torch.uint8, device=e.out.device),
+                            e.out, 0, self.stream)
+        tok = both[: 8 * n].view(torch.float32).view(2, n)
+        return tok, both[8 * n:].view(torch.bool) if self.checks else None
 
     def _entry(self, key: Key) -> _Entry:
         at = offsets(key)

@@ -51,9 +51,11 @@ from sim import heap
 from sim.trace.records import RowRecord
 
 GUARD_PAGES = 16
-EARLY = 8  # steps per read-back of the verdict data: queued behind them, no wait (read back
+EARLY = 16  # steps per read-back of the verdict data: queued behind them, no wait (read back
 # only every FLUSH steps, a 96-step replay at batch 64 x kv 2k spent ~10 ms of host on its
-# verdicts after the device had finished: a fifth of its wall on the H200)
+# verdicts after the device had finished: a fifth of its wall on the H200). 16 against 8: 0.896x
+# the wall at 64 x 2k on a slow host, where the loop's host is the bound (4 of 4 pairs), 1.005x
+# at 128 x 2k, device-bound (round 29): half the read-backs' concatenations, copies and passes
 LEAD = 2  # read-backs queued and not yet judged, at most: the host then waits for the oldest.
 # Unbounded, the host ran tens of steps ahead of a device-bound replay and judged their
 # verdicts after the device had finished (the loop alone at 64 x 2k 2.42-2.64x with round 16's

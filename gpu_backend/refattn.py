@@ -284,13 +284,18 @@ def content_kv_q(tok: torch.Tensor, pos: torch.Tensor, coeffs: tuple[torch.Tenso
     if n:
         tr, slot, tpos = truth if truth is not None else (kv, tok, tok)
         per = CONTENT_TOKENS if n >= CONTENT_LONG else 1
-        _content((triton.cdiv(n, per), blocks), tok, pos, a, p, c, kv, kv if q is None else q,
-                 tr, slot, tpos, n, hkv * d, turn, tr.stride(0), tr.stride(1), tr.stride(2),
-                 tr.stride(3) if tr.dim() > 3 else 0, GAIN=gain,
-                 BLOCK=triton.next_power_of_2(hkv * d), D=d, TRUTH=truth is not None,
-                 TOKENS=per)
+        launch = _content_long if per > 1 else _content
+        launch((triton.cdiv(n, per), blocks), tok, pos, a, p, c, kv, kv if q is None else q,
+               tr, slot, tpos, n, hkv * d, turn, tr.stride(0), tr.stride(1), tr.stride(2),
+               tr.stride(3) if tr.dim() > 3 else 0, GAIN=gain,
+               BLOCK=triton.next_power_of_2(hkv * d), D=d, TRUTH=truth is not None,
+               TOKENS=per)
     return kv, q
 
 
 _token_err = Launcher(_token_err_kernel, num_warps=4)
 _content = Launcher(_content_kernel, num_warps=4)
+# a long step's (CONTENT_TOKENS a program) on 8 warps: a 64 x 2k prompts' step's content took
+# 1.68 against 2.00 ms on 4 (128 x 2k 3.34 against 4.01, the same bits; 16 tokens a program or
+# 2 warps were slower: round 29, bench/results/round29/c4_content.txt)
+_content_long = Launcher(_content_kernel, num_warps=8)

@@ -43,16 +43,24 @@ def flatten(q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
     nq, na = qo[R], a_len.sum()
     kv_indices = np.empty(len(ind) + tail, np.int32)
     _indices(ind, guard, kv_indices, 0, len(ind))
-    o = (np.empty(nq, np.int32), np.empty(nq, np.int64), np.empty(nq, np.int64),
-         np.empty(na, np.int32), np.empty(na, np.int64), np.empty(na, np.int64),
-         np.zeros(na, np.bool_), np.empty(na, np.int64), np.empty(na, np.int64),
-         np.empty(na, np.int64))
+    o = _outputs(nq, na)
     n_mine, n_rej = rows(0, R, 0, 0, 0, q_len, a_len, append_pos, rope_pos, tokens, committed,
                          alloc, alloc_len, lead, is_gen, new_tokens, indptr, ind, shared, B,
                          guard, len(ind) + tail, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
                          o[8], o[9])
     return (qo, kv_indices, o[0], o[1], o[2], o[3], o[4], o[5], o[6],
             distinct(o[7][:n_mine]), o[8][:n_rej], o[9][:n_rej])
+
+
+@nb.njit(cache=True)
+def _outputs(nq: int, na: int) -> tuple[np.ndarray, ...]:
+    """`rows`' arrays for nq queries and na appends: row_of_token, true_pos, tokens of the
+    queries; app_row, app_rope, engine_write, write_ok; their own pages, rejected pages and
+    slots (room for one an append)."""
+    return (np.empty(nq, np.int32), np.empty(nq, np.int64), np.empty(nq, np.int64),
+            np.empty(na, np.int32), np.empty(na, np.int64), np.empty(na, np.int64),
+            np.zeros(na, np.bool_), np.empty(na, np.int64), np.empty(na, np.int64),
+            np.empty(na, np.int64))
 
 
 @nb.njit(cache=True, nogil=True)
@@ -163,10 +171,7 @@ def split(parts: int, q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarr
     p0[1:] = np.cumsum(alloc_len)
     nq, na, n_ind = int(qo[R]), int(a0[R]), len(ind) + tail
     kv_indices = np.empty(n_ind, np.int32)
-    o = (np.empty(nq, np.int32), np.empty(nq, np.int64), np.empty(nq, np.int64),
-         np.empty(na, np.int32), np.empty(na, np.int64), np.empty(na, np.int64),
-         np.zeros(na, np.bool_), np.empty(na, np.int64), np.empty(na, np.int64),
-         np.empty(na, np.int64))
+    o = _outputs(nq, na)
     # rows [cut[i], cut[i + 1]): about na / parts appends each
     cut = np.unique(np.concatenate([[0], np.searchsorted(a0, np.arange(1, parts) * na // parts),
                                     [R]]))

@@ -153,6 +153,13 @@ def _owns(alloc: np.ndarray, p0: int, n: int, lead: int, shared: np.ndarray, pag
     return False
 
 
+def run(*args: Any) -> tuple[np.ndarray, ...]:
+    """`flatten(*args)`, or `split` across the host's threads for a long step
+    (`hostpool.parts` of its appends)."""
+    parts = hostpool.parts(len(args[2]))  # append_pos
+    return split(parts, *args) if parts > 1 else flatten(*args)
+
+
 def split(parts: int, q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
           rope_pos: np.ndarray, tokens: np.ndarray, committed: np.ndarray, alloc: np.ndarray,
           alloc_len: np.ndarray, lead: np.ndarray, is_gen: np.ndarray, new_tokens: np.ndarray,

@@ -8,12 +8,20 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 THREADS = 8  # at most (fewer where the host has fewer cores)
+# a step of at least this many appends is split: the prompts' step; a generation step's few
+# hundred are one call each
+SPLIT = 1 << 15
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def threads() -> int:
     """Threads a long step's passes are split across on this host (1: not split)."""
     return min(THREADS, os.cpu_count() or 1)
+
+
+def parts(n: int) -> int:
+    """Parts a pass over n appends (or queries) is split into: 1, one call, below SPLIT."""
+    return threads() if n >= SPLIT else 1
 
 
 def pool() -> ThreadPoolExecutor:

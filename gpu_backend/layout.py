@@ -26,10 +26,6 @@ I32 = np.int32
 # follow past the table (FA3 reads, appends, xqa past the row) lands on poison in both
 # backends instead of on whatever the allocator placed after the array.
 TAIL = 256
-# a step of at least this many appends is flattened on threads (`flatten.split`, `hostpool`):
-# the prompts' step, whose preparation the device waits for; a generation step's few hundred
-# are one call (`truthprep.content_arrays` splits at the same length)
-SPLIT = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -316,14 +312,11 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
 
 def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
                    B: int, guard: int) -> dict[str, np.ndarray]:
-    from gpu_backend import flatten, hostpool
+    from gpu_backend.flatten import run
 
-    args = (c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"], c["tokens"],
-            c["committed"], c["alloc"], c["alloc_len"], c["shared_blocks"], c["is_gen"],
-            c["new_tokens"], indptr, ind, np.sort(shared), B, guard, TAIL)
-    parts = hostpool.threads()
-    out = flatten.split(parts, *args) if parts > 1 and len(c["append_pos"]) >= SPLIT else \
-        flatten.flatten(*args)
+    out = run(c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"], c["tokens"],
+              c["committed"], c["alloc"], c["alloc_len"], c["shared_blocks"], c["is_gen"],
+              c["new_tokens"], indptr, ind, np.sort(shared), B, guard, TAIL)
     return dict(zip(_FLAT, out, strict=True))
 
 

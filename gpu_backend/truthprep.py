@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gpu_backend import hostpool, prepk
-from gpu_backend.layout import SPLIT, StepBatch
+from gpu_backend.layout import StepBatch
 from gpu_backend.pool import M, mod_m
 from gpu_backend.tracedata import TraceData
 from sim.errors import TraceError
@@ -113,7 +113,7 @@ def content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
     # threads; else in numpy, whose vectorized min and max beat the compiled loop (1.3 against
     # ~0.3 ms at a 64 x 2k prompts' step's 131k tokens)
     n = b.num_tokens
-    split = n >= SPLIT and hostpool.threads() > 1 and prepk.ENABLED
+    split = prepk.ENABLED and hostpool.parts(n) > 1
     if len(b.app_tokens) == n and (prepk.takes(n) or split):
         tok_m, pos_m, top, same = (prepk.content_split if split else prepk.content)(
             b.app_tokens, b.app_rope, b.rope_pos, b.true_pos, M)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, any_trace
 
-from gpu_backend import flatten, hostpool, layout
+from gpu_backend import flatten, hostpool
 from gpu_backend.layout import _FLAT, TAIL, _flat_compiled, _flat_indices, _flat_numpy, build_step
 from gpu_backend.tracedata import load_trace
 
@@ -127,9 +127,9 @@ def test_a_long_step_is_split_across_threads(tmp_path: Path, monkeypatch: pytest
     for i, s in enumerate(longest):
         shared = np.array(pages[i % 3::3], dtype=np.int64)
         args = (s, t.rows[s.step], t.model.page_size, 16, shared, t.columns.get(s.step))
-        monkeypatch.setattr(layout, "SPLIT", 1 << 30)
+        monkeypatch.setattr(hostpool, "SPLIT", 1 << 30)
         one = build_step(*args)
-        monkeypatch.setattr(layout, "SPLIT", 1)
+        monkeypatch.setattr(hostpool, "SPLIT", 1)
         split = build_step(*args)
         for k, v in vars(one).items():
             got = getattr(split, k)

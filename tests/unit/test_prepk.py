@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, Builder, named_trace, prompt
 
-from gpu_backend import flatten, hostpool, layout, prepare, prepk, truthprep
+from gpu_backend import flatten, hostpool, prepare, prepk
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.intsets import member, unique
@@ -97,8 +97,7 @@ def test_every_step_split_across_threads_is_prepared_the_same(
     want = _steps(trace)
     monkeypatch.setattr(prepk, "ENABLED", True)
     monkeypatch.setattr(hostpool, "threads", lambda: 3)
-    monkeypatch.setattr(layout, "SPLIT", 1)
-    monkeypatch.setattr(truthprep, "SPLIT", 1)
+    monkeypatch.setattr(hostpool, "SPLIT", 1)
     calls: Counter[str] = Counter()
     for mod, fn in ((flatten, "split"), (prepk, "content_split")):
         real = getattr(mod, fn)

@@ -55,6 +55,24 @@ def environment() -> dict:
             "versions": {p: _version(p) for p in PACKAGES}}
 
 
+def host_speed() -> float:
+    """ms this host takes for a fixed pure-Python and numpy workload (~3.3 ms on the H200's
+    host in its usual state). The lent hosts' virtual CPUs sometimes run everything ~1.8x
+    slower for a while, with nothing else of the process on the CPU (round 30:
+    bench/results/round30/); a bench times this just before each replay it times, so a
+    slow run can be told from a slow change."""
+    import numpy as np
+
+    t0 = time.perf_counter()
+    s = 0
+    for i in range(100_000):
+        s += i & 7
+    a = np.arange(4096)
+    for _ in range(300):
+        a = np.concatenate([a[1:], a[:1]]) + 0
+    return (time.perf_counter() - t0) * 1e3
+
+
 def positive(text: str) -> int:
     """argparse type: a whole number of 1 or more, else a usage error saying so."""
     n = int(text) if text.strip().lstrip("-").isdigit() else 0

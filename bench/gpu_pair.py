@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from environment import ROOT, environment
+from environment import ROOT, environment, host_speed
 
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
@@ -101,7 +101,8 @@ def _sync(device: str) -> None:
 
 def one(trace: TraceData, backend: str, settings: list[Setting], workers: int | None
         ) -> dict[str, Any]:
-    """One whole replay under `settings`: wall and first generation step's start in ms."""
+    """One whole replay under `settings`: wall and first generation step's start in ms, and
+    `environment.host_speed` just before it."""
     steps = [s.step for s in trace.steps if trace.rows[s.step]]
     marks: dict[str, float] = {}
 
@@ -111,13 +112,14 @@ def one(trace: TraceData, backend: str, settings: list[Setting], workers: int | 
 
     with _applied(settings):
         kernels, device = make_kernels(backend, trace)
+        host = host_speed()
         _sync(device)
         t0 = time.perf_counter()
         res = driver.replay(trace, kernels, device, on_step=on_step, workers=workers)
         _sync(device)
         wall = time.perf_counter() - t0
     return {"wall_ms": wall * 1e3, "first_gen_ms": (marks.get("first", t0) - t0) * 1e3,
-            "prepared_ahead": res.stats.get("prepared_ahead", 0),
+            "prepared_ahead": res.stats.get("prepared_ahead", 0), "host_ms": host,
             "rows": [(r.step, r.row, r.verdict) for r in res.rows]}
 
 
@@ -135,7 +137,8 @@ def pair(trace: TraceData, backend: str, b_settings: list[Setting], b_workers: i
         walls = [r["wall_ms"] for r in rs]
         out[name] = {"wall_ms_median": statistics.median(walls), "wall_ms": walls,
                      "first_gen_ms_median": statistics.median(r["first_gen_ms"] for r in rs),
-                     "prepared_ahead": [r["prepared_ahead"] for r in rs]}
+                     "prepared_ahead": [r["prepared_ahead"] for r in rs],
+                     "host_ms": [round(r["host_ms"], 2) for r in rs]}
     out["b_over_a"] = out["b"]["wall_ms_median"] / out["a"]["wall_ms_median"]
     out["pairs_b_faster"] = sum(b["wall_ms"] < a["wall_ms"]
                                 for a, b in zip(runs["a"], runs["b"], strict=True))

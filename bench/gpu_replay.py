@@ -75,6 +75,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from environment import host_speed
 
 from gpu_backend import driver, workers
 from gpu_backend.calibrate import meta
@@ -180,9 +181,10 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     passes. `first_gen_ms`: from the call to the first generation step's start (the prompts'
     step and what the host does before and while it runs). `prepared_ahead`: the steps the
     loop's own preparation got ahead while it would have waited for the device (`driver.Ahead`),
-    per pass."""
+    per pass. `host_ms`: `environment.host_speed` just before each pass (a slow host's pass
+    shows there)."""
     n = workers.trace_workers(trace, "cuda") if n is None else n
-    walls, firsts, ahead = [], [], []
+    walls, firsts, ahead, host = [], [], [], []
     marks: dict[str, float] = {}
 
     def on_step(step: int, what: str) -> None:
@@ -190,6 +192,7 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
             marks["first"] = time.perf_counter()
 
     for _ in range(reps):
+        host.append(host_speed())
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         res = replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0], workers=n)
@@ -200,7 +203,7 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     wall, kern = sorted(walls)[len(walls) // 2], sum(kernel_ms)
     return {"wall_ms": wall, "wall_ms_all": walls, "first_gen_ms": sorted(firsts)[reps // 2],
             "kernel_ms": kern, "prompt_kernel_ms": kernel_ms[0], "ratio": wall / kern,
-            "workers": n, "prepared_ahead": ahead}
+            "workers": n, "prepared_ahead": ahead, "host_ms": host}
 
 
 def profile_pass(trace: TraceData, first: int, last: int) -> None:

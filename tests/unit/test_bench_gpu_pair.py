@@ -31,6 +31,7 @@ def test_a_and_b_alternate_and_give_the_same_rows(tmp_path: Path) -> None:
     for k in ("a", "b"):
         assert len(size[k]["wall_ms"]) == 3 and min(size[k]["wall_ms"]) > 0
         assert size[k]["prepared_ahead"] == [0, 0, 0]  # the CPU has no device to wait for
+        assert len(size[k]["host_ms"]) == 3 and min(size[k]["host_ms"]) > 0  # the host's speed
     assert size["same_rows"] is True and 0 <= size["pairs_b_faster"] <= 3
     assert size["b_over_a"] == pytest.approx(size["b"]["wall_ms_median"] /
                                              size["a"]["wall_ms_median"])
@@ -68,3 +69,4 @@ def test_flashinfer_without_a_gpu_stack_says_what_to_use(tmp_path: Path) -> None
                "--json", str(out))
     assert p.returncode == 2 and "try --backend reference" in p.stderr
     assert "Traceback" not in p.stderr and not out.exists()
+

@@ -56,11 +56,11 @@ def environment() -> dict:
 
 
 def host_speed() -> float:
-    """ms this host takes for a fixed pure-Python and numpy workload (~3.3 ms on the H200's
-    host in its usual state). The lent hosts' virtual CPUs sometimes run everything ~1.8x
-    slower for a while, with nothing else of the process on the CPU (round 30:
-    bench/results/round30/); a bench times this just before each replay it times, so a
-    slow run can be told from a slow change."""
+    """ms this host takes for a fixed pure-Python and numpy workload (~4.5 ms on the H200's
+    host in its usual state, ~7.5-8 in a slow spell). The lent hosts' virtual CPUs sometimes
+    run everything ~1.8x slower for seconds, with nothing else of the process on the CPU
+    (bench/results/round30/); a bench times this just before each replay it times, so a slow
+    run can be told from a slow change."""
     import numpy as np
 
     t0 = time.perf_counter()

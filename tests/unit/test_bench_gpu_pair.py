@@ -69,4 +69,3 @@ def test_flashinfer_without_a_gpu_stack_says_what_to_use(tmp_path: Path) -> None
                "--json", str(out))
     assert p.returncode == 2 and "try --backend reference" in p.stderr
     assert "Traceback" not in p.stderr and not out.exists()
-

@@ -19,7 +19,7 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   generation steps' preparation done before it) / kernels: what a user's replay of the
   generation steps costs, preparation included.
 - workers (one more pass, `--workers N`, by default 4 where the host has 6 cores or more,
-  whatever the trace; `kvsim replay` picks them by trace, `workers.trace_workers`): pipelined
+  whatever the trace; `kvsim replay` takes none unless asked, round 30): pipelined
   with the preparation in N forked processes
   (`gpu_backend.workers`); `workers.ratio_end_to_end` = (its wall + the loop's wait for its
   first chunks, less the workers' start and the prompt step's preparation) / kernels;
@@ -29,7 +29,8 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   return: every step (the prompts' too) with everything inside it (the workers' start, the
   preparation, the pool's set-up) against every step's kernels, the median of 3 (`ratio`);
   `first_gen_ms`: from the call to the first generation step. `whole_other`: the same with the
-  other preparation (the loop's own where the default takes workers, else --workers N's).
+  other preparation (--workers N's; the default, the loop's own, until round 30 took 4
+  workers for traces of 256+ steps at 64 x 2k).
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
   2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
@@ -77,13 +78,13 @@ from typing import Any
 import torch
 from environment import host_speed
 
-from gpu_backend import driver, workers
+from gpu_backend import driver
 from gpu_backend.calibrate import meta
 from gpu_backend.driver import replay
 from gpu_backend.replay import FlashInferKernels
 from gpu_backend.result import ReplayResult, max_ok_error
 from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.workers import default_workers
+from gpu_backend.workers import usable
 
 WATCH = ["incremental"]  # every pass's page watch (--watch)
 GRAPHS = [True]  # steady steps as CUDA graphs (--eager: False)
@@ -174,8 +175,8 @@ def kernel_pass(trace: TraceData) -> list[float]:
 
 def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3,
                n: int | None = None) -> dict[str, Any]:
-    """What a user's replay costs: `replay` on its default path (workers by
-    `workers.trace_workers`; n: that many instead), from the call to its return and a device
+    """What a user's replay costs: `replay` on its default path (the loop's own
+    preparation; n: that many workers instead), from the call to its return and a device
     sync, every step, the prompts' included, with everything inside (the workers' start, every
     step's preparation, the pool's set-up), against every step's kernels; the median of `reps`
     passes. `first_gen_ms`: from the call to the first generation step's start (the prompts'
@@ -183,7 +184,7 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     loop's own preparation got ahead while it would have waited for the device (`driver.Ahead`),
     per pass. `host_ms`: `environment.host_speed` just before each pass (a slow host's pass
     shows there)."""
-    n = workers.trace_workers(trace, "cuda") if n is None else n
+    n = 0 if n is None else n
     walls, firsts, ahead, host = [], [], [], []
     marks: dict[str, float] = {}
 
@@ -465,7 +466,7 @@ def main() -> None:
                                         capture_output=True, text=True).stdout.strip()
     WATCH[0] = a.watch
     GRAPHS[0] = not a.eager
-    WORKERS[0] = default_workers("cuda", workers.MIN_STEPS) if a.workers is None else a.workers
+    WORKERS[0] = usable("cuda") if a.workers is None else a.workers
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
     out["commit"], out["watch"], out["graphs"] = commit, a.watch, not a.eager
     if a.sweep:

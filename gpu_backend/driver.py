@@ -46,7 +46,6 @@ from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData
 from gpu_backend.truthprep import truth_shape
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
-from gpu_backend.workers import trace_workers
 from sim import heap
 from sim.trace.records import RowRecord
 
@@ -97,9 +96,9 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     watch: how page changes are found (`gpu_backend.watch`): "incremental" (the step's target
     pages, the whole pool every few steps; replayed again with "full" if a page changed
     elsewhere) or "full" (the whole pool every step). The verdicts are the same.
-    workers: processes that prepare the steps beside the loop (`gpu_backend.workers`; 0: the
-    loop's own thread does); None: `workers.trace_workers`."""
-    n = trace_workers(trace, device) if workers is None else workers
+    workers: processes that prepare the steps beside the loop (`gpu_backend.workers`; 0 or
+    None: the loop's own thread does, the faster way at every length measured: round 30)."""
+    n = workers or 0
     # with glibc's defaults much of the preparation's arrays is new memory every step, a page
     # fault each 4 KiB: a 64 x 2k prompts' step is prepared in 0.8x the time here (`sim.heap`)
     with _frozen_heap(), heap.kept():

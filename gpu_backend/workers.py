@@ -55,43 +55,21 @@ from sim.trace.records import StepRecord
 _REST = [f.name for f in fields(Prepared)][4:-1]  # not `deferred`: a worker defers nothing
 
 
-MIN_STEPS = 256  # shorter traces prepare on the loop's thread by default (`default_workers`)
-MAX_KV = 1 << 18  # ... and so do traces whose steps read more K/V tokens than this (median):
-# 64 x 2k (~131k) takes workers, 64 x 4k (~265k) and 64 x 8k (~532k) do not
+def usable(device: torch.device | str) -> int:
+    """Workers this host has the cores for, when a replay is asked for them (`kvsim replay
+    --prepare-workers N`; `bench/gpu_replay.py`'s workers pass): 4 on a CUDA host with 6 cores
+    or more (two left to the loop and the driver's threads; 8 were slower than 4 on the H200's
+    host), else none (the CPU reference backend's torch needs those cores).
 
-
-def default_workers(device: torch.device | str, steps: int, kv_tokens: int = 0) -> int:
-    """Workers a replay on `device` of `steps` steps reading a median of `kv_tokens` K/V tokens
-    a step uses unless told: 4 on a CUDA host with the cores for them (two left to the loop and
-    the driver's threads; 8 were slower than 4 on the H200's host), else none. None on a CPU
-    (the reference backend's torch needs those cores), and none where the loop's own
-    preparation finishes the whole replay sooner (the H200, round 19: `replay` from the call to
-    its return, both ways in one run each). The workers cost it a fixed 66-119 ms (their start,
-    and the pages the loop then copies as it writes: a fork shares them) and save the loop's
-    own preparation, 0.85 ms a step on that host, where it is longer than the device's step:
-    - at 64 x 2k they finished first from ~256 steps on (ms, workers against the loop's own:
-      96 steps 158-201 / 105-168; 128: 203 / 192; 192: 243-246 / 252-267; 256: 252-260 /
-      212-306; 384: 376 / 497), hence MIN_STEPS;
-    - at 64 x 4k the loop's own was faster at 96 and 256 steps (312 / 259, 406 / 378), and at
-      64 x 8k, whose device step hides the loop's own preparation, at every length (96 steps
-      572 / 426, 256: 791 / 654), hence MAX_KV.
-    Left out of this choice: the generation steps' figure alone (the workers' start and the
-    prompts' step not counted), for which workers were faster at 64 x 2k from 96 steps on
-    (2.7x the kernels against 4-8x, docs/gpu.md rounds 13-18)."""
+    No replay takes them unless asked. Round 19 made them the default for traces of 256+ steps
+    at 64 x 2k, when the loop's own preparation took 0.85 ms a generation step on the H200's
+    host; since round 26 it takes ~0.2 ms, and the workers' fixed start (66-119 ms) and their
+    receiving no longer pay. Round 30 (bench/results/round30/, the whole replay, both ways in
+    one run each, a slow host): 64 x 2k, 256 steps 251 and 306 ms with 4 workers against 213
+    and 211 on the loop's thread; 512 steps 399 against 316 (~0.58 against ~0.41 ms a step
+    past 256); 64 x 4k, 256 steps 369 against 247."""
     cores = os.cpu_count() or 1
-    if torch.device(device).type != "cuda" or steps < MIN_STEPS or kv_tokens > MAX_KV \
-            or cores < 6:
-        return 0
-    return min(4, cores - 2)
-
-
-def trace_workers(trace: TraceData, device: torch.device | str) -> int:
-    """`default_workers` for this trace (its steps with rows, the median K/V tokens a step
-    reads over up to 64 of them, evenly spaced)."""
-    steps = [s.step for s in trace.steps if trace.rows[s.step]]
-    sample = steps[:: max(len(steps) // 64, 1)]
-    kv = [sum(r.kv_len for r in trace.rows[s]) for s in sample]
-    return default_workers(device, len(steps), int(np.median(kv)) if kv else 0)
+    return min(4, cores - 2) if torch.device(device).type == "cuda" and cores >= 6 else 0
 
 
 def worker_steps(trace: TraceData, state: HostState, device: torch.device | str, workers: int

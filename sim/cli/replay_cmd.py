@@ -58,12 +58,9 @@ def register(app: typer.Typer) -> None:
                                    "on the H200 (docs/gpu.md round 10)"),
         prepare_workers: int | None = typer.Option(
             None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
-            "(default: 4 on a GPU host with 6 cores or more for a trace of 256 steps or more "
-            "whose steps read at most 262,144 K/V tokens, else 0 = the loop prepares them "
-            "itself). The same verdicts; they cost a fixed ~0.1 s and save the host's "
-            "preparation where it is longer than the device's step: a 384-step replay at batch "
-            "64 x kv 2k took 0.76x the time with them on the H200, a 96-step one 1.2-1.5x, and "
-            "at 64 x kv 8k they were slower at every length (docs/gpu.md round 19)"),
+            "(default 0: the loop prepares them itself). The same verdicts. They cost a fixed "
+            "~0.1 s and no longer pay: on the H200 a 64 x kv 2k replay took 1.2-1.45x the time "
+            "with 4 of them at 256 and 512 steps, 1.5x at 64 x kv 4k (docs/gpu.md round 30)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()

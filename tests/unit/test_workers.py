@@ -240,32 +240,23 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def test_workers_by_default_only_on_a_gpu_host_with_cores_for_a_long_trace(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_workers_only_on_a_gpu_host_with_cores_for_them(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    assert workers.default_workers("cpu", 1000) == 0
-    assert workers.default_workers("cuda", 1000, 64 * 2048) == 4
-    assert workers.default_workers("cuda", workers.MIN_STEPS - 1) == 0
-    # the sweep's sizes as the H200 measured them (round 19, the whole replay): workers for long
-    # traces at 64 x 2k; at 64 x 4k and larger the loop's own preparation was faster
-    assert workers.default_workers("cuda", 256, 64 * (2048 + 128)) == 4  # 64 x 2k, 256 steps
-    assert workers.default_workers("cuda", 96, 64 * (2048 + 48)) == 0  # 64 x 2k, 96 steps
-    assert workers.default_workers("cuda", 1000, 64 * (4096 + 48)) == 0  # 64 x 4k
-    assert workers.default_workers("cuda", 1000, 532_189) == 0  # 64 x 8k, 96 steps
-    assert workers.default_workers("cuda", 1000, 1_064_379) == 0  # 128 x 8k
+    assert workers.usable("cuda") == 4 and workers.usable("cpu") == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 6)
+    assert workers.usable("cuda") == 4
     monkeypatch.setattr(os, "cpu_count", lambda: 5)
-    assert workers.default_workers("cuda", 1000) == 0
+    assert workers.usable("cuda") == 0
 
 
-def test_the_trace_decides_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
-    long = load_trace(big_verify(tmp_path / "long", batch=8, kv=256, steps=workers.MIN_STEPS))
-    assert workers.trace_workers(long, "cuda") == 4
-    assert workers.trace_workers(long, "cpu") == 0
-    short = load_trace(big_verify(tmp_path / "short", batch=8, kv=256, steps=12))
-    assert workers.trace_workers(short, "cuda") == 0
-    monkeypatch.setattr(workers, "MAX_KV", 8 * 256 - 1)  # the long trace's steps read more
-    assert workers.trace_workers(long, "cuda") == 0
+def test_a_replay_takes_no_workers_unless_asked(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's own preparation by default, even for a long trace on a host with the cores
+    (round 30: the workers were slower at every length the H200 measured)."""
+    monkeypatch.setattr(workers, "usable", lambda device: 4)  # a host with the cores for them
+    t = load_trace(big_verify(tmp_path / "long", batch=4, kv=64, steps=300))
+    res = replay(t, ReferenceKernels(t.model.num_q_heads, t.model.num_blocks), "cpu")
+    assert res.stats["prepare_workers"] == 0 and res.rows
 
 
 def test_chunk_zero_is_the_prompt_step_then_chunks_grow_to_chunk_steps() -> None:

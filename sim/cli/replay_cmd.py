@@ -59,7 +59,7 @@ def register(app: typer.Typer) -> None:
         prepare_workers: int | None = typer.Option(
             None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
             "(default 0: the loop prepares them itself). The same verdicts. They cost a fixed "
-            "~0.1 s and no longer pay: on the H200 a 64 x kv 2k replay took 1.2-1.45x the time "
+            "~0.1 s and no longer pay: on the H200 a 64 x kv 2k replay took 1.2-1.7x the time "
             "with 4 of them at 256 and 512 steps, 1.5x at 64 x kv 4k (docs/gpu.md round 30)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""

@@ -3,6 +3,8 @@
 Why: at batch 64 x kv 2k the device runs a step in ~0.32 ms, and preparing one took the H200's
 host 0.6-1.0 ms on the loop's own thread (docs/gpu.md, round 12): the replay was bound by the
 host's preparation end to end. Here N forked workers prepare it while the loop only launches.
+Since the loop's own preparation got ~4x cheaper (rounds 20-29) they no longer pay, and a replay
+takes them only when asked (`usable`, round 30).
 
 The steps (those with rows) are cut into chunks: chunk 0, the loop's own while the workers start,
 is the prompts' step (whose arrays cost more to ship than to build: ~0.3 s before the first

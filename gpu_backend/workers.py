@@ -58,8 +58,8 @@ _REST = [f.name for f in fields(Prepared)][4:-1]  # not `deferred`: a worker def
 
 
 def usable(device: torch.device | str) -> int:
-    """Workers this host has the cores for, when a replay is asked for them (`kvsim replay
-    --prepare-workers N`; `bench/gpu_replay.py`'s workers pass): 4 on a CUDA host with 6 cores
+    """Workers this host has the cores for (`bench/gpu_replay.py`'s workers pass runs this
+    many; `kvsim replay --prepare-workers N` takes N as given): 4 on a CUDA host with 6 cores
     or more (two left to the loop and the driver's threads; 8 were slower than 4 on the H200's
     host), else none (the CPU reference backend's torch needs those cores).
 

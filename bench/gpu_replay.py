@@ -174,7 +174,7 @@ def kernel_pass(trace: TraceData) -> list[float]:
 
 
 def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3,
-               n: int | None = None) -> dict[str, Any]:
+               n: int = 0) -> dict[str, Any]:
     """What a user's replay costs: `replay` on its default path (the loop's own
     preparation; n: that many workers instead), from the call to its return and a device
     sync, every step, the prompts' included, with everything inside (the workers' start, every
@@ -184,7 +184,6 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     loop's own preparation got ahead while it would have waited for the device (`driver.Ahead`),
     per pass. `host_ms`: `environment.host_speed` just before each pass (a slow host's pass
     shows there)."""
-    n = 0 if n is None else n
     walls, firsts, ahead, host = [], [], [], []
     marks: dict[str, float] = {}
 
@@ -354,8 +353,8 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     ms_all = kernel_pass(trace)
     ms = ms_all[1:]
     whole = whole_pass(trace, first, ms_all)
-    other = 0 if whole["workers"] else WORKERS[0]  # the other path, if the bench has workers
-    whole_other = whole_pass(trace, first, ms_all, n=other) if other != whole["workers"] else None
+    # the other path, workers, if the bench has them
+    whole_other = whole_pass(trace, first, ms_all, n=WORKERS[0]) if WORKERS[0] else None
     ph = phases_pass(trace, first, last) if phases else None
     dev = device_pass(trace, first, last) if device else None
     if profile:

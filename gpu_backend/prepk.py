@@ -196,6 +196,25 @@ def content_split(tokens: np.ndarray, rope: np.ndarray, rope_pos: np.ndarray,
     return tok_m, pos_m, top, all(s for _, s in got) and len(rope_pos) == len(true_pos)
 
 
+@nb.njit(cache=True)
+def token_rows(q_len: np.ndarray, committed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`layout.prompts_batch`'s (row_of_token int32, true_pos int64): row r's q_len[r] tokens
+    in order, at committed[r] + j. Two numpy repeats and an arange took ~0.3 ms of a 64 x 2k
+    prompts' step on a development machine, before its first launch."""
+    n = 0
+    for r in range(len(q_len)):
+        n += q_len[r]
+    row, true_pos = np.empty(n, np.int32), np.empty(n, np.int64)
+    t = 0
+    for r in range(len(q_len)):
+        c, ql = committed[r], q_len[r]
+        row[t: t + ql] = r  # the slice and the loop below vectorize: ~0.6x one loop of both
+        for j in range(ql):
+            true_pos[t + j] = c + j
+        t += ql
+    return row, true_pos
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) the passes now: before `gpu_backend.workers` forks,
     so that each worker does not."""
@@ -207,3 +226,4 @@ def warm() -> None:
     seq_lens(z32, z32[:1], 1)
     rewind(z, z, 1)
     content(z, z, z, z, 3)
+    token_rows(z, z)

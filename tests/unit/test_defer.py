@@ -4,6 +4,8 @@ completes is the one `prepare_step` makes whole."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from replay_traces import FAULTS, SCENARIOS, named_trace
 from gpu_backend import driver, prepare
 from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.fa2plan import H200, Planner
+from gpu_backend.layout import StepBatch, prompts_batch
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.staging import Chunk, Joined, stage
@@ -28,15 +31,17 @@ def _trace(tmp: Path, name: str) -> TraceData:
     return load_trace(named_trace(tmp, name, 6))
 
 
-def _state(trace: TraceData) -> HostState:
+def _state(trace: TraceData, together: bool = False) -> HostState:
     slots, _, last = truth_shape(trace)
     return HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
-                     free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+                     free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200),
+                     together=together)
 
 
-def _steps(trace: TraceData, defer: bool) -> list[tuple[Prepared, dict[str, np.ndarray]]]:
+def _steps(trace: TraceData, defer: bool, together: bool = False
+           ) -> list[tuple[Prepared, dict[str, np.ndarray]]]:
     out = []
-    for p in prepared_steps(trace, _state(trace), "cpu", defer=defer):
+    for p in prepared_steps(trace, _state(trace, together), "cpu", defer=defer):
         complete(p)
         out.append((p, {k: p.dv[k].numpy().copy() for k in p.dv}))
     return out
@@ -46,20 +51,80 @@ _FIELDS = ("ops", "touched", "fill", "engine_nan", "truth_same", "q_identity", "
            "deferred")
 
 
+@pytest.mark.parametrize("together", [False, True])
 @pytest.mark.parametrize("name", NAMES)
-def test_a_deferred_step_completes_to_the_whole_one(tmp_path: Path, name: str) -> None:
+def test_a_deferred_step_completes_to_the_whole_one(tmp_path: Path, name: str,
+                                                    together: bool) -> None:
     """Every step of a replay with its first step deferred has the arrays, pool operations,
-    checked pages and graph of the undeferred replay's."""
+    checked pages, graph and batch of the undeferred replay's (every trace here starts with a
+    prompts' step: `layout.prompts_batch`'s path)."""
     trace = _trace(tmp_path, name)
-    want, got = _steps(trace, False), _steps(trace, True)
+    want, got = _steps(trace, False, together), _steps(trace, True, together)
     assert len(got) == len(want) > 0
     for (p, a), (q, b) in zip(got, want, strict=True):
         assert a.keys() == b.keys()
         assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True)
                    for k in a), p.b.step
         assert all(getattr(p, f) == getattr(q, f) for f in _FIELDS)
+        assert p.groups == q.groups
         assert np.array_equal(p.wpages, q.wpages) and np.array_equal(p.wok, q.wok)
+        assert _same_batch(p.b, q.b), p.b.step
     assert isinstance(got[0][0].dv, Joined) or got[0][0].graph is not None
+
+
+def _same_batch(a: StepBatch, b: StepBatch, only: Iterable[str] | None = None) -> bool:
+    names = [f.name for f in fields(StepBatch)] if only is None else only
+    for n in names:
+        x, y = getattr(a, n), getattr(b, n)
+        if isinstance(x, np.ndarray):
+            if x.dtype != y.dtype or not np.array_equal(x, y):
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+# the fields `layout.prompts_batch` leaves empty: the pages'
+_PAGES = {"kv_indptr", "kv_indices", "last_page_len", "kv_len", "block_table",
+          "allowed_pages", "engine_write", "write_ok", "reject_page", "reject_slot",
+          "xqa_indptr", "xqa_indices", "xqa_last_page_len", "runs"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_prompts_step_is_launched_from_its_rows_before_its_pages(tmp_path: Path,
+                                                                    name: str) -> None:
+    """The deferred prompts' step before `complete`: no pool operations, no pages, and every
+    other field of its batch `build_step`'s."""
+    trace = _trace(tmp_path, name)
+    p = next(prepared_steps(trace, _state(trace), "cpu", defer=True))
+    q = next(prepared_steps(trace, _state(trace), "cpu"))
+    assert p.deferred is not None and p.ops == [] and not p.b.kv_indices.size
+    rest = [f.name for f in fields(StepBatch) if f.name not in _PAGES]
+    assert _same_batch(p.b, q.b, rest)
+    assert q.b.kv_indices.size  # what the test would miss if the pages were empty anyway
+    complete(p)
+    assert _same_batch(p.b, q.b) and p.ops == q.ops
+
+
+def test_only_a_step_of_prompts_is_launched_before_its_pages(tmp_path: Path) -> None:
+    """`layout.prompts_batch` takes a step of context rows whose appends are their queries,
+    each with queries; anything else is prepared whole before its launches."""
+    trace = _trace(tmp_path, "big")
+    s = trace.steps[0]
+    cols = trace.columns[s.step]
+    assert prompts_batch(s, cols, trace.model.page_size, GUARD_PAGES) is not None
+    gen = next(x for x in trace.steps if trace.rows[x.step] and x.step != s.step)
+    assert prompts_batch(gen, trace.columns[gen.step], trace.model.page_size, 0) is None
+    for change in ({"is_ctx": ~cols["is_ctx"][:1]}, {"q_len": cols["q_len"] * 0},
+                   {"append_pos_len": cols["append_pos_len"] + 1}):
+        bad = dict(cols)
+        for k, v in change.items():
+            bad[k] = np.concatenate([v, cols[k][len(v):]])
+        assert prompts_batch(s, bad, trace.model.page_size, GUARD_PAGES) is None, change
+    # columns not checked on loading: the batch is made whole before the launches
+    whole = replace(trace, checked=trace.checked - {s.step})
+    p = next(prepared_steps(whole, _state(whole), "cpu", defer=True))
+    assert p.deferred is not None and p.b.kv_indices.size
 
 
 def test_before_completion_only_the_content_and_the_reference_are_staged(

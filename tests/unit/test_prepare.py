@@ -325,16 +325,18 @@ def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
     real = prepare.prepare_step
 
     def run() -> tuple[list[tuple[Any, ...]], list[list[Any]]]:
-        ops: list[list[Any]] = []
+        made: list[Prepared] = []
 
         def kept(*a: Any) -> Prepared:
-            p = real(*a)
-            ops.append(p.ops)
-            return p
+            made.append(real(*a))
+            return made[-1]
 
         monkeypatch.setattr(prepare, "prepare_step", kept)
         res = replay(t, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
-        return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows], ops
+        # read once the replay has completed them: a deferred prompts' step gets its pool
+        # operations in `complete` (`prepare._content_first`)
+        return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows], \
+            [p.ops for p in made]
 
     want, ops = run()
     assert not ops[0] or ops[0][0][0] != "nan"

@@ -19,9 +19,10 @@ chunk of steps at a time, so a step only queues device work: no numpy, no host-d
 device's per-token errors and moved pages are copied back every EARLY steps, behind those steps'
 work, and turned into verdicts on the host (`oracle.judge`) once they have arrived, while the
 device runs the steps after them; with more than LEAD read-backs on their way the host waits for
-the oldest. The host waits for all of it every FLUSH steps, after FLUSH_TOKENS query tokens (a
-long prompt step) and at the end. Before either wait, the loop's own preparation gets ahead by
-as many steps as the device's work lets it (`Ahead`, at most BANK).
+the oldest; a long prompt step (SEND_TOKENS query tokens) is read back alone, right after it.
+The host waits for all of it every FLUSH steps and at the end. Before either wait, the loop's
+own preparation gets ahead by as many steps as the device's work lets it (`Ahead`, at most
+BANK).
 """
 
 from __future__ import annotations
@@ -62,10 +63,11 @@ LEAD = 2  # read-backs queued and not yet judged, at most: the host then waits f
 # 2.46-2.57 (round 17, alternated on the H200), and the chunks a preparation worker shipped are
 # judged, and their slots given back, in time
 FLUSH = 256  # steps between waits for every read-back (one host-device sync each)
-# ... or query tokens: a long prompt step's verdicts (numpy over each token) are then computed
-# right after it, not inside the next 255 steps (bench/gpu_replay.py times those: at batch 64 x
-# kv 8,192 the prompt step's 524k tokens cost ~20 ms of host inside the 12 steps it timed)
-FLUSH_TOKENS = 1 << 16
+SEND_TOKENS = 1 << 16  # query tokens after which the pending steps are read back at once (a
+# long prompt step alone), to be judged as soon as they arrive while the device runs the steps
+# the loop queued behind them. Until round 31 the host waited for such a step and judged it
+# there (for the generation-step timing of rounds 5-18, which then left it out): the device sat
+# idle meanwhile, ~1 ms of a 64 x 2k replay's prompts' step (131k tokens' verdicts)
 BANK = 128  # steps the loop's own preparation may get ahead while the host would wait for the
 # device (`Ahead`): a long step's device time (the prompts' step, ~29 ms at batch 64 x kv 2k on
 # the H200) then goes to preparing the steps after it instead of to a sync
@@ -236,15 +238,16 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
         pending.append(got)
         tokens += p.b.num_tokens
         since += 1
-        wait_all = since >= FLUSH or tokens >= FLUSH_TOKENS or nxt is None
-        if wait_all or len(pending) >= EARLY:
+        wait_all = since >= FLUSH or nxt is None
+        if wait_all or len(pending) >= EARLY or tokens >= SEND_TOKENS:
             sent.append(send(pending))
+            tokens = 0
         if graphs is not None and nxt is not None:
             graphs.ahead(nxt)  # while the device runs p (and a settle below waits for it)
         if wait_all:
             steps.fill(sent[-1].ready if sent else None)
             settle(res, sent, watch)
-            tokens = since = 0
+            since = 0
         else:
             if len(sent) > LEAD:
                 steps.fill(sent[0].ready)

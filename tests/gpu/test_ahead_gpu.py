@@ -42,7 +42,7 @@ def test_steps_prepared_ahead_give_the_rows_of_a_loop_that_waits(
         return send(pending)
 
     monkeypatch.setattr(driver, "send", slow_send)
-    monkeypatch.setattr(driver, "FLUSH_TOKENS", 1)  # the host waits after every step
+    monkeypatch.setattr(driver, "FLUSH", 1)  # the host waits after every step
     ahead = _replay(trace)
     monkeypatch.setattr(driver, "BANK", 0)
     waits = _replay(trace)

@@ -51,15 +51,15 @@ def test_a_page_changed_where_no_append_aimed_is_found_and_replayed_in_full(
     assert {r.verdict for r in full.rows if r.step == at[0]} == {"corrupt"}
 
 
-@pytest.mark.parametrize("every", [{"FLUSH_TOKENS": 1}, {"EARLY": 1},
+@pytest.mark.parametrize("every", [{"SEND_TOKENS": 1}, {"EARLY": 1},
                                    {"EARLY": 3, "FLUSH": 5}])
 @pytest.mark.parametrize("case", [None, *CASES])
 def test_read_backs_after_every_step_change_nothing(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    case: str | None,
                                                    every: dict[str, int]) -> None:
-    """The driver reads verdict data back every EARLY steps and waits for all of it every FLUSH
-    steps or FLUSH_TOKENS query tokens (a long prompt step alone): wherever the read-backs and
+    """The driver reads verdict data back every EARLY steps or SEND_TOKENS query tokens (a long
+    prompt step alone) and waits for all of it every FLUSH steps: wherever the read-backs and
     the waits fall, the same rows in the same order, and a stray write still sends the replay
     to the full watch."""
     trace, at = (load_trace(SCENARIOS["append_past_alloc"](tmp_path / "t")), None) \

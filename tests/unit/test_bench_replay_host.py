@@ -27,8 +27,8 @@ def test_a_small_sweep_writes_every_figure(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     (size,) = json.loads(out.read_text())["sizes"]
     assert (size["batch"], size["kv"]) == (8, 256)
-    for k in ("start_ms", "prompt_ms", "prepare_us", "walk_us", "first_walk_us", "ship_us",
-              "receive_us", "unpickle_us"):
+    for k in ("start_ms", "prompt_ms", "first_ms", "rest_ms", "prepare_us", "walk_us",
+              "first_walk_us", "ship_us", "receive_us", "unpickle_us"):
         assert 0 < size[k] < 1e6, k
     assert size["words_bytes"] > 0 and size["meta_bytes"] > 0
     if heap.available():  # the same figures with glibc's default heap, and their ratios

@@ -75,16 +75,19 @@ def drain(res: ReplayResult, sent: deque[Sent], watch: Watch, lead: int) -> None
 
 
 def settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
-    """Wait for every read-back (one sync) and append their verdicts. Raises Unseen if the
-    incremental watch saw a page change outside the steps' targets."""
-    flag = watch.stale()
-    if flag is not None and int(flag.item()):
-        raise Unseen("a page changed outside the steps' target pages")
+    """Wait for every read-back and append their verdicts, each judged as soon as it has
+    arrived (the oldest first, while the device runs the later ones' steps: a prompts' step's
+    131k tokens are judged beside the generation steps after it), then raise Unseen if the
+    incremental watch saw a page change outside the steps' targets (its flag read after all of
+    them: a sync; the replay is then made again in full, these verdicts dropped)."""
     while sent:
         s = sent.popleft()
         if s.ready is not None:
             s.ready.synchronize()
         _verdicts(res, s, watch)
+    flag = watch.stale()
+    if flag is not None and int(flag.item()):
+        raise Unseen("a page changed outside the steps' target pages")
 
 
 def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:

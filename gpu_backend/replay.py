@@ -64,7 +64,12 @@ class FlashInferKernels:
         import flashinfer
 
         self.fi, self.num_q_heads, self.dev = flashinfer, num_q_heads, torch.device(device)
-        ws = [torch.zeros(_WS, dtype=torch.uint8, device=self.dev) for _ in range(4)]
+        # FA2's and the decode's float workspaces hold scratch each launch writes before it
+        # reads (FlashInfer's own examples allocate them with torch.empty, flashinfer/prefill.py):
+        # zeroing them cost every replay a 768 MiB memset before its first launch. XQA's (ws[3])
+        # stays zeroed: the XQA kernels keep counters there
+        ws = [torch.empty(_WS, dtype=torch.uint8, device=self.dev) for _ in range(3)]
+        ws.append(torch.zeros(_WS, dtype=torch.uint8, device=self.dev))
         self.ws = ws
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws[0], "NHD")
         self.prefill: dict[str, Any] = {}

@@ -1,0 +1,84 @@
+"""gpu_backend/readback.py and the loop's read-backs (`driver._loop`): a long prompt step is
+read back alone and judged once it arrives, the host never waiting for it there (round 31:
+the device sat idle while the host judged it); a settle judges each read-back as it arrives
+and only then reads the watch's flag (a sync that waited for every step before any verdict)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from replay_traces import named_trace
+
+from gpu_backend import driver, readback
+from gpu_backend.driver import replay
+from gpu_backend.reference import ReferenceKernels
+from gpu_backend.result import ReplayResult
+from gpu_backend.tracedata import TraceData, load_trace
+
+
+def _replay(trace: TraceData) -> ReplayResult:
+    m = trace.model
+    return replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
+
+
+def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:
+    return [(r.step, r.row, r.request, r.verdict, r.err, r.message) for r in res.rows]
+
+
+def test_a_long_prompt_step_is_read_back_alone_without_a_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = load_trace(named_trace(tmp_path, "big", 40))
+    want = _rows(_replay(trace))
+    first = trace.steps[0].step
+    prompts = int(trace.columns[first]["q_len"].sum())
+    monkeypatch.setattr(driver, "SEND_TOKENS", prompts)  # the prompts' step alone reaches it
+    log: list[tuple[str, list[int]]] = []
+    send, settle = driver.send, driver.settle
+
+    def logged_send(pending: list[Any]) -> Any:
+        log.append(("send", [x.p.b.step for x in pending]))
+        return send(pending)
+
+    def logged_settle(res: Any, sent: Any, watch: Any) -> None:
+        log.append(("settle", []))
+        settle(res, sent, watch)
+
+    monkeypatch.setattr(driver, "send", logged_send)
+    monkeypatch.setattr(driver, "settle", logged_settle)
+    assert _rows(_replay(trace)) == want
+    assert log[0] == ("send", [first])  # the prompts' step alone, right after it
+    assert [k for k, _ in log].count("settle") == 1 and log[-1][0] == "settle"  # at the end
+    assert all(len(steps) <= driver.EARLY for k, steps in log if k == "send")
+
+
+def test_a_settle_judges_each_read_back_before_it_reads_the_flag(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = load_trace(named_trace(tmp_path, "big", 40))
+    order: list[str] = []
+    verdicts = readback._verdicts
+
+    def logged_verdicts(res: Any, s: Any, watch: Any) -> None:
+        order.append("verdicts")
+        verdicts(res, s, watch)
+
+    class Flagged:  # the incremental watch's stale flag, read once its verdicts are in
+        def __init__(self, watch: Any) -> None:
+            self.watch = watch
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.watch, name)
+
+        def stale(self) -> Any:
+            order.append("flag")
+            return self.watch.stale()
+
+    monkeypatch.setattr(readback, "_verdicts", logged_verdicts)
+    real = readback.settle
+    monkeypatch.setattr(driver, "settle",
+                        lambda res, sent, watch: real(res, sent, Flagged(watch)))
+    res = _replay(trace)
+    assert res.counts()["ok"] == len(res.rows) > 0
+    assert order[-1] == "flag" and order[-2] == "verdicts"
+    assert order.count("flag") == 1

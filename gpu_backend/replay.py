@@ -67,7 +67,8 @@ class FlashInferKernels:
         # FA2's and the decode's float workspaces hold scratch each launch writes before it
         # reads (FlashInfer's own examples allocate them with torch.empty, flashinfer/prefill.py):
         # zeroing them cost every replay a 768 MiB memset before its first launch. XQA's (ws[3])
-        # stays zeroed: the XQA kernels keep counters there
+        # stays zeroed: FlashInfer's XQA decode wants its workspace zero on first use (its
+        # docstrings in flashinfer/decode.py)
         ws = [torch.empty(_WS, dtype=torch.uint8, device=self.dev) for _ in range(3)]
         ws.append(torch.zeros(_WS, dtype=torch.uint8, device=self.dev))
         self.ws = ws

@@ -232,3 +232,18 @@ def test_a_row_whose_lengths_contradict_itself_is_refused_as_before(tmp_path: Pa
     assert trace.checked == {0, 1}
     with pytest.raises(TraceError, match="do not fit q_len 4"):
         _steps(trace)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5000)), max_size=12))
+def test_token_rows_is_its_numpy(rows: list[tuple[int, int]]) -> None:
+    """`prepk.token_rows` against `layout.prompts_batch`'s numpy: each token's row and
+    committed + j, rows of any length (none too)."""
+    q_len = np.array([q for q, _ in rows], dtype=np.int64)
+    committed = np.array([c for _, c in rows], dtype=np.int64)
+    row, true_pos = prepk.token_rows(q_len, committed)
+    qo = np.concatenate([[0], np.cumsum(q_len)]).astype(np.int64)
+    want_row = np.repeat(np.arange(len(q_len), dtype=np.int32), q_len)
+    want_pos = np.arange(int(qo[-1]), dtype=np.int64) + np.repeat(committed - qo[:-1], q_len)
+    assert row.dtype == np.int32 and true_pos.dtype == np.int64
+    assert np.array_equal(row, want_row) and np.array_equal(true_pos, want_pos)

@@ -11,8 +11,12 @@ and 0.92x at 128 x 8k (alternated in forked processes here; the generation steps
 small, and theirs did not change: docs/gpu.md, round 21).
 
 While `kept()` is active, allocations up to 32 MiB (glibc's most) come from the heap, which
-gives nothing back; on exit it is trimmed. Peak memory is unchanged: only freed memory is held,
-and reused. (A 64 MiB top pad as well made no difference.)
+gives nothing back; on exit it is trimmed (`malloc_trim`), unless `kept(trim=False)`: then the
+process keeps the freed memory for its next use, and `trim()` gives it back when the caller
+chooses. The GPU replay takes that: on the H200's host the trim took 1.2-1.6 ms of every
+replay's wall (bench/results/round32), after the device had finished. Peak memory is unchanged
+either way: only freed memory is held, and reused. (A 64 MiB top pad as well made no
+difference.)
 
 Any `mallopt` of these stops glibc adapting its mmap threshold for good (mallopt(3)), so on exit
 the settings are not glibc's initial ones, which a process that ever freed a large array has
@@ -57,8 +61,9 @@ _depth = 0  # kept() blocks open: the outermost sets and resets
 
 
 @contextmanager
-def kept() -> Iterator[None]:
-    """Freed memory stays in the heap inside the block (see the module's docstring)."""
+def kept(trim: bool = True) -> Iterator[None]:
+    """Freed memory stays in the heap inside the block (see the module's docstring); trim: give
+    the heap's free memory back to the kernel at its end (the outermost block's say)."""
     global _depth
     if _LIBC is None:
         yield
@@ -74,4 +79,11 @@ def kept() -> Iterator[None]:
         if _depth == 0:
             for k, v in AFTER.items():
                 _LIBC.mallopt(k, v)
-            _LIBC.malloc_trim(0)
+            if trim:
+                _LIBC.malloc_trim(0)
+
+
+def trim() -> None:
+    """Give the heap's free memory back to the kernel now (after a `kept(trim=False)`)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)

@@ -1,4 +1,5 @@
-"""sim.heap: freed memory stays in the heap inside `kept()`, and is given back after it.
+"""sim.heap: freed memory stays in the heap inside `kept()`, and is given back after it (or at
+`trim()`, after `kept(trim=False)`).
 
 Seen through the process's minor page faults (ten 1 MiB arrays made, written and dropped, pass
 after pass: a page that went back to the kernel faults again) and its resident memory. Run in a
@@ -49,6 +50,13 @@ with heap.kept():
     out["rss_kept_mb"] = rss_mb()
 out["rss_after_mb"] = rss_mb()
 out["after"] = faults()
+with heap.kept(trim=False):  # the replay's: the freed memory stays until `heap.trim()`
+    big = [np.ones(1 << 21, np.int64) for _ in range(16)]
+    small = [np.ones(1000 + i, np.int64) for i in range(100)]  # above the big ones
+    del big
+out["rss_untrimmed_mb"] = rss_mb()
+heap.trim()
+out["rss_trimmed_mb"] = rss_mb()
 print(json.dumps(out))
 """
 
@@ -63,3 +71,5 @@ def test_kept_reuses_freed_pages_and_gives_them_back_at_its_end() -> None:
     assert got["rss_kept_mb"] - got["rss_after_mb"] > 200, got  # the 256 MiB held, then not
     # after: no more faults than with glibc's defaults in a fresh process
     assert got["after"] <= got["default"] * 1.1, got
+    # kept(trim=False): still held after the block, given back by trim()
+    assert got["rss_untrimmed_mb"] - got["rss_trimmed_mb"] > 200, got

@@ -82,3 +82,58 @@ def test_a_settle_judges_each_read_back_before_it_reads_the_flag(
     assert res.counts()["ok"] == len(res.rows) > 0
     assert order[-1] == "flag" and order[-2] == "verdicts"
     assert order.count("flag") == 1
+
+
+def test_read_backs_shrink_toward_the_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                          ) -> None:
+    """A read-back holds at most one step more than are left after it, so they halve toward the
+    end (round 32: a 12-step replay judged its 11 generation steps after the device's end), and
+    the verdicts are the same."""
+    trace = load_trace(named_trace(tmp_path, "big", 40))
+    monkeypatch.setattr(driver, "EARLY", 1 << 30)  # the old rule, a read-back at the end only
+    log: list[list[int]] = []
+    send = driver.send
+
+    def logged_send(pending: list[Any]) -> Any:
+        log.append([x.p.b.step for x in pending])
+        return send(pending)
+
+    monkeypatch.setattr(driver, "send", logged_send)
+    monkeypatch.setattr(driver, "SEND_TOKENS", 1 << 62)
+    res = _replay(trace)
+    steps = [s.step for s in trace.steps if trace.rows[s.step]]
+    assert [x for got in log for x in got] == steps  # every step once, in order
+    assert len(log) > 2 and log[-1] == steps[-1:]  # the last alone
+    left = len(steps)
+    for got in log:
+        left -= len(got)
+        assert len(got) <= left + 1, log
+    monkeypatch.setattr(driver, "EARLY", 16)
+    assert _rows(res) == _rows(_replay(trace))
+
+
+def test_the_replay_leaves_its_heap_untrimmed(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """`sim.heap.kept(trim=False)`: malloc_trim took 1.2-1.6 ms of a replay's wall on the H200's
+    host after the device had finished (round 32)."""
+    from sim import heap
+
+    if not heap.available():
+        pytest.skip("no glibc mallopt here")
+    calls: list[int] = []
+    libc = heap._LIBC
+
+    class Counted:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(libc, name)
+
+        def malloc_trim(self, pad: int) -> int:
+            calls.append(pad)
+            return int(libc.malloc_trim(pad))
+
+    monkeypatch.setattr(heap, "_LIBC", Counted())
+    _replay(load_trace(named_trace(tmp_path, "big", 4)))
+    assert calls == []
+    with heap.kept():
+        pass
+    assert calls == [0]  # the default still trims

@@ -26,9 +26,9 @@ from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
 from gpu_backend.intsets import member, unique
-from gpu_backend.layout import StepBatch, build_step, prompts_batch, run_arrays
+from gpu_backend.layout import StepBatch, build_step, prompts_batch, run_arrays, token_rows
 from gpu_backend.refgroups import RefGroup, ref_groups
-from gpu_backend.staging import Chunk, Joined, StepArrays, stage
+from gpu_backend.staging import Chunk, FromRows, Joined, StepArrays, stage
 from gpu_backend.tracedata import TraceData
 from sim.trace.records import RowRecord, StepRecord
 
@@ -158,7 +158,8 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     content and the reference read, and leave the rest to `complete` (no CUDA graph step); a
     prompts' step then waits for none of its pages (`layout.prompts_batch`)."""
     if defer and s.step in st.trace.checked and s.step in st.trace.columns:
-        thin = prompts_batch(s, st.trace.columns[s.step], st.trace.model.page_size, st.guard)
+        thin = prompts_batch(s, st.trace.columns[s.step], st.trace.model.page_size, st.guard,
+                             per_token=False)
         if thin is not None:
             return _content_first(st, s, rows, flight, chunk, thin)
     arrays: dict[str, np.ndarray] = {}
@@ -204,12 +205,18 @@ def _first(st: HostState, b: StepBatch, first: dict[str, np.ndarray]
     """The truth slots of b's rows, and what the content and the reference read, into `first`.
     Returns (prefixes to fill, engine NaN, truth == engine content, the reference's groups)."""
     slots, fill = truthprep.admit(st, b, first)
+    return (fill, *_content_reference(st, b, slots, first))
+
+
+def _content_reference(st: HostState, b: StepBatch, slots: np.ndarray,
+                       first: dict[str, np.ndarray]) -> tuple[bool, bool, list[RefGroup]]:
+    """`_first` past the truth's slots: (engine NaN, truth == engine content, groups)."""
     eng_nan, same = truthprep.content_arrays(st, b, first)
     groups = ref_groups(b, slots, first, together=st.together)
     # each token's row's slot: row_of_token is each row's index q_len times, and a repeat
     # is ~8x cheaper than the gather (0.05 against 0.44 ms at a 64 x 2k prompts' step)
     first |= {"tslot": np.repeat(slots, b.q_len), "true_pos": b.true_pos}
-    return fill, eng_nan, same, groups
+    return eng_nan, same, groups
 
 
 def _advance(st: HostState, b: StepBatch) -> int:
@@ -223,13 +230,22 @@ def _advance(st: HostState, b: StepBatch) -> int:
 
 def _content_first(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
                    chunk: Chunk, thin: StepBatch) -> Prepared:
-    """`prepare_step(defer=True)` of a prompts' step: its content and reference from `thin`;
-    its events, its whole batch and the rest are `complete`'s (the truth's slots, taken here,
-    are the one state they share)."""
+    """`prepare_step(defer=True)` of a prompts' step: its content and reference from `thin`
+    (`layout.prompts_batch`, without its tokens' rows), made on the device from its rows where
+    they follow from them (`truthprep.row_content`); its events, its whole batch and the rest
+    are `complete`'s (the truth's slots, taken here, are the one state they share)."""
     first: dict[str, np.ndarray] = {}
-    fill, eng_nan, same, groups = _first(st, thin, first)
-    p = Prepared(s, rows, thin, stage(chunk, first), [], False, fill, eng_nan, same, True,
-                 groups, _NONE, 0, _NONE)
+    slots, fill = truthprep.admit(st, thin, first)
+    if truthprep.row_content(st, thin, slots, first):
+        groups = ref_groups(thin, slots, first, together=st.together)
+        dv = stage(chunk, first)
+        p = Prepared(s, rows, thin, FromRows(dv.chunk, dv.slots), [], False, fill, False, True,
+                     True, groups, _NONE, 0, _NONE)
+    else:
+        thin = token_rows(thin)
+        eng_nan, same, groups = _content_reference(st, thin, slots, first)
+        p = Prepared(s, rows, thin, stage(chunk, first), [], False, fill, eng_nan, same, True,
+                     groups, _NONE, 0, _NONE)
     p.deferred = partial(_prompts_rest, st, flight, Chunk(chunk.dev))
     return p
 

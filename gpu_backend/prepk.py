@@ -215,6 +215,29 @@ def token_rows(q_len: np.ndarray, committed: np.ndarray) -> tuple[np.ndarray, np
     return row, true_pos
 
 
+@nb.njit(cache=True)
+def row_positions(tokens: np.ndarray, rope_pos: np.ndarray, q_len: np.ndarray,
+                  committed: np.ndarray, M: int) -> int:
+    """`truthprep.row_content`'s check of a prompts' step: the largest RoPE position when row
+    r's queries are tokens qo[r].. at RoPE positions committed[r] + j (the truth's) and every
+    token and position is in [0, M); else -1. Reads each token once and writes nothing."""
+    if len(tokens) != len(rope_pos):
+        return -1
+    t, top = 0, -1
+    for r in range(len(q_len)):
+        c, ql = committed[r], q_len[r]
+        if t + ql > len(tokens) or c < 0 or c + ql > M:
+            return -1
+        for j in range(ql):
+            k = tokens[t + j]
+            if rope_pos[t + j] != c + j or k < 0 or k >= M:
+                return -1
+        t += ql
+        if ql:
+            top = max(top, c + ql - 1)
+    return top if t == len(tokens) else -1
+
+
 def warm() -> None:
     """Compile (or load from numba's cache) the passes now: before `gpu_backend.workers` forks,
     so that each worker does not."""
@@ -227,3 +250,4 @@ def warm() -> None:
     rewind(z, z, 1)
     content(z, z, z, z, 3)
     token_rows(z, z)
+    row_positions(z, z, z, z, 3)

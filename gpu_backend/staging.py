@@ -168,6 +168,57 @@ class Joined(StepArrays):
         return super().span(name) if name in self.slots else self.first.span(name)
 
 
+class FromRows(StepArrays):
+    """A prompts' step's arrays whose content inputs the device makes from its rows
+    (`truthprep.row_content`): from `ptok` (the tokens) and `prow` ([3, R]: each row's queries,
+    truth slot, committed less its first token), `app_tok_m` and `app_pos_m` (float64) and
+    `tslot` and `true_pos` (int64) in a few launches, with the values and under the names of
+    the staged arrays they stand for (`@f64` the float64, the bare name its bits as int64)."""
+
+    MADE = ("app_tok_m", "app_pos_m", "tslot", "true_pos")
+    SOURCES = ("ptok", "prow")
+    made: dict[str, torch.Tensor] | None = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self.cache.get(key)
+        if t is not None:
+            return t
+        name, at, suffix = key.partition("@")
+        if name not in self.MADE:
+            return super().__getitem__(key)
+        x = self._made()[name]
+        form = at + suffix
+        if form == "@f64" and x.dtype == torch.float64:
+            t = x
+        elif form == "":
+            t = x.view(torch.int64)
+        elif form == "@32" and x.dtype == torch.int64:
+            t = x.to(torch.int32)
+        else:
+            raise KeyError(key)
+        self.cache[key] = t
+        return t
+
+    def _made(self) -> dict[str, torch.Tensor]:
+        made = self.made
+        if made is None:
+            tok, rows = super().__getitem__("ptok"), super().__getitem__("prow")
+            n = int(tok.shape[0])
+            row = torch.repeat_interleave(rows[0], output_size=n)  # no sync: n is known
+            pos = torch.arange(n, dtype=torch.int64, device=tok.device) + rows[2][row]
+            made = self.made = {"app_tok_m": tok.to(torch.float64),
+                                "app_pos_m": pos.to(torch.float64), "tslot": rows[1][row],
+                                "true_pos": pos}
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in self.slots if k not in self.SOURCES)
+        yield from self.MADE
+
+    def __len__(self) -> int:
+        return len(self.slots) - len(self.SOURCES) + len(self.MADE)
+
+
 class PackedSlots(Mapping[str, Slot]):
     """A step's slots as a worker ships them (`gpu_backend.workers`): the names, one bytes
     object of (length, offset) pairs for the 1-D arrays (nearly all) and the others' slots as

@@ -106,6 +106,28 @@ def take_slots(st: HostState, requests: list[int], committed: list[int]
     return out
 
 
+def row_content(st: HostState, b: StepBatch, slots: np.ndarray,
+                arrays: dict[str, np.ndarray]) -> bool:
+    """A prompts' step's content inputs from its rows, where they follow from them: every
+    query's RoPE position is its row's committed + j (the truth's), under the RoPE table, and
+    every token and position is in [0, M) (mod M changes none). Then only the tokens (`ptok`)
+    and three numbers a row (`prow`: queries, truth slot, committed less the first token) are
+    staged, and the device makes each token's float64 token and position, truth slot and true
+    position from them (`staging.FromRows`): `content_arrays` staged four words a token and
+    took most of the host's time before a 64 x 2k prompts' step's first launch. Returns
+    whether it did; if not, nothing is added. b: `layout.prompts_batch`'s (its appends are its
+    queries), per token or not."""
+    if not prepk.ENABLED:  # the per-token arrays are the oracle
+        return False
+    top = prepk.row_positions(b.tokens, b.rope_pos, b.q_len, b.committed, M)
+    if top < 0 or (st.rope_rows is not None and top >= st.rope_rows):
+        return False
+    arrays |= {"ptok": b.tokens,
+               "prow": np.stack([b.q_len.astype(np.int64), slots.astype(np.int64),
+                                 b.committed.astype(np.int64) - b.qo_indptr[:-1]])}
+    return True
+
+
 def content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
                     ) -> tuple[bool, bool]:
     """Content inputs. Returns (engine NaN mask needed, truth content == engine content)."""

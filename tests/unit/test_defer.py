@@ -20,7 +20,7 @@ from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import StepBatch, prompts_batch
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
 from gpu_backend.reference import ReferenceKernels
-from gpu_backend.staging import Chunk, Joined, stage
+from gpu_backend.staging import Chunk, FromRows, Joined, stage
 from gpu_backend.tracedata import TraceData, load_trace
 from gpu_backend.truthprep import truth_shape
 
@@ -94,12 +94,17 @@ _PAGES = {"kv_indptr", "kv_indices", "last_page_len", "kv_len", "block_table",
 def test_a_prompts_step_is_launched_from_its_rows_before_its_pages(tmp_path: Path,
                                                                     name: str) -> None:
     """The deferred prompts' step before `complete`: no pool operations, no pages, and every
-    other field of its batch `build_step`'s."""
+    other field of its batch `build_step`'s (but its tokens' rows where the device makes its
+    content's inputs from its rows: `staging.FromRows`)."""
     trace = _trace(tmp_path, name)
     p = next(prepared_steps(trace, _state(trace), "cpu", defer=True))
     q = next(prepared_steps(trace, _state(trace), "cpu"))
     assert p.deferred is not None and p.ops == [] and not p.b.kv_indices.size
-    rest = [f.name for f in fields(StepBatch) if f.name not in _PAGES]
+    skip = _PAGES
+    if isinstance(p.dv, FromRows):
+        assert p.b.row_of_token is None and p.b.true_pos is None and p.b.app_row is None
+        skip = _PAGES | {"row_of_token", "true_pos", "app_row"}
+    rest = [f.name for f in fields(StepBatch) if f.name not in skip]
     assert _same_batch(p.b, q.b, rest)
     assert q.b.kv_indices.size  # what the test would miss if the pages were empty anyway
     complete(p)
@@ -130,11 +135,15 @@ def test_only_a_step_of_prompts_is_launched_before_its_pages(tmp_path: Path) -> 
 def test_before_completion_only_the_content_and_the_reference_are_staged(
         tmp_path: Path) -> None:
     trace = _trace(tmp_path, "big")
-    p = next(prepared_steps(trace, _state(trace), "cpu", defer=True))
+    p = next(prepared_steps(trace, _state(trace, together=True), "cpu", defer=True))
     assert p.deferred is not None and p.b.step == trace.steps[0].step
     staged = set(p.dv)
     assert {"tslot", "true_pos", "app_tok_m", "app_pos_m"} <= staged
     assert not staged & {"kv_indices", "kv_indptr", "touched", "wpages", "append_pos"}
+    # made from the rows: the tokens and a few numbers a row staged, not four words a token
+    assert isinstance(p.dv, FromRows) and not staged & set(FromRows.SOURCES)
+    tokens = int(trace.columns[p.b.step]["q_len"].sum())
+    assert tokens <= p.dv.chunk.bufs["d64"].numel() < tokens + 64 * p.b.num_rows
     complete(p)
     assert p.deferred is None and {"kv_indices", "touched", "wpages"} <= set(p.dv)
     complete(p)  # once only

@@ -228,10 +228,12 @@ def row_positions(tokens: np.ndarray, rope_pos: np.ndarray, q_len: np.ndarray,
         c, ql = committed[r], q_len[r]
         if t + ql > len(tokens) or c < 0 or c + ql > M:
             return -1
+        bad = 0  # no branch inside the row's loop
         for j in range(ql):
             k = tokens[t + j]
-            if rope_pos[t + j] != c + j or k < 0 or k >= M:
-                return -1
+            bad |= (rope_pos[t + j] != c + j) | (k < 0) | (k >= M)
+        if bad:
+            return -1
         t += ql
         if ql:
             top = max(top, c + ql - 1)

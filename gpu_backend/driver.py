@@ -107,7 +107,7 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     n = workers or 0
     # with glibc's defaults much of the preparation's arrays is new memory every step, a page
     # fault each 4 KiB: a 64 x 2k prompts' step is prepared in 0.8x the time here (`sim.heap`).
-    # Not trimmed at the end: that took 1.2-1.6 ms of the wall on the H200's host, after the
+    # Not trimmed at the end: that took 0.9-1.6 ms of the wall on the H200's host, after the
     # device had finished (round 32); the process keeps the memory for its next use
     with _frozen_heap(), heap.kept(trim=False):
         if watch == "incremental" and not skip:

@@ -13,7 +13,7 @@ small, and theirs did not change: docs/gpu.md, round 21).
 While `kept()` is active, allocations up to 32 MiB (glibc's most) come from the heap, which
 gives nothing back; on exit it is trimmed (`malloc_trim`), unless `kept(trim=False)`: then the
 process keeps the freed memory for its next use, and `trim()` gives it back when the caller
-chooses. The GPU replay takes that: on the H200's host the trim took 1.2-1.6 ms of every
+chooses. The GPU replay takes that: on the H200's host the trim took 0.9-1.6 ms of every
 replay's wall (bench/results/round32), after the device had finished. Peak memory is unchanged
 either way: only freed memory is held, and reused. (A 64 MiB top pad as well made no
 difference.)

@@ -114,7 +114,7 @@ def test_read_backs_shrink_toward_the_end(tmp_path: Path, monkeypatch: pytest.Mo
 
 def test_the_replay_leaves_its_heap_untrimmed(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """`sim.heap.kept(trim=False)`: malloc_trim took 1.2-1.6 ms of a replay's wall on the H200's
+    """`sim.heap.kept(trim=False)`: malloc_trim took 0.9-1.6 ms of a replay's wall on the H200's
     host after the device had finished (round 32)."""
     from sim import heap
 

@@ -45,7 +45,7 @@ from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
 from gpu_backend.oracle import DEFAULT_TOL, TruthStore, beside, join, reference, token_errors
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
-from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
+from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, replayed
 from gpu_backend.readback import Pending, Sent, drain, send, settle
 from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData
@@ -224,7 +224,7 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
     pending: list[Pending] = []
     sent: deque[Sent] = deque()
     tokens = since = 0
-    left = sum(1 for s in trace.steps if trace.rows[s.step])  # the steps the loop runs
+    left = len(replayed(trace))  # the steps the loop runs
     nxt = steps.next()
     while nxt is not None:
         p = nxt

@@ -117,9 +117,7 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
     flight = in_flight_poison(trace)
     chunk, batch = Chunk(device), []
     ready: deque[Prepared] = deque()
-    steps = [s for s in trace.steps if trace.rows[s.step]]  # as the old loop: a step without
-    # rows has its events left unapplied
-    for i, s in enumerate(steps):
+    for i, s in enumerate(replayed(trace)):
         t0 = time.perf_counter()
         batch.append(prepare_step(state, s, trace.rows[s.step], flight, chunk,
                                   defer and i == 0))
@@ -137,6 +135,12 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
         ready.extend(batch)
         state.seconds += time.perf_counter() - t0
     yield from ready
+
+
+def replayed(trace: TraceData) -> list[StepRecord]:
+    """The steps a replay runs: those with rows (as the old loop: a step without rows has its
+    events left unapplied)."""
+    return [s for s in trace.steps if trace.rows[s.step]]
 
 
 def ramp(i: int, per: int, lead: int) -> int:

@@ -82,7 +82,7 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
     preparation time in its worker to `state.step_seconds`; the workers' start to
     `state.start_seconds`."""
     t0 = time.perf_counter()
-    steps = [s for s in trace.steps if trace.rows[s.step]]
+    steps = prepare.replayed(trace)
     flight = in_flight_poison(trace)
     from gpu_backend import fa2plan, flatten, prepk
 

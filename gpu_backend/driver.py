@@ -76,6 +76,10 @@ BANK = 128  # steps the loop's own preparation may get ahead while the host woul
 # device (`Ahead`): a long step's device time (the prompts' step, ~29 ms at batch 64 x kv 2k on
 # the H200) then goes to preparing the steps after it instead of to a sync
 BANK_WORDS = 1 << 25  # ... and int64 words of their chunks (256 MiB pinned, as much on the device)
+# the replay's freed memory is not handed back to the system at its end (`sim.heap.kept`): the
+# trim took 0.9-1.6 ms of the wall on the H200's host, after the device had finished (round 32);
+# the process keeps the memory for its next use
+TRIM = False
 
 
 class KernelFault(Exception):
@@ -107,9 +111,8 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     n = workers or 0
     # with glibc's defaults much of the preparation's arrays is new memory every step, a page
     # fault each 4 KiB: a 64 x 2k prompts' step is prepared in 0.8x the time here (`sim.heap`).
-    # Not trimmed at the end: that took 0.9-1.6 ms of the wall on the H200's host, after the
-    # device had finished (round 32); the process keeps the memory for its next use
-    with _frozen_heap(), heap.kept(trim=False):
+    # Not trimmed at the end (`TRIM`)
+    with _frozen_heap(), heap.kept(trim=TRIM):
         if watch == "incremental" and not skip:
             try:
                 return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch, n)

@@ -149,7 +149,8 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
         raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, rows: int64 "
                          f"[3, R] contiguous; not {out.dtype} {tuple(out.shape)}, "
                          f"{rows.dtype} {tuple(rows.shape)}")
-    bm, bn, launch = _together_launch(g * W, R)
+    bm = _block_m(g * W, R)
+    bn, launch = _launch(g * W)
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
@@ -168,27 +169,10 @@ ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
 
 
-# (BLOCK_M, warps, stages) of `attend_rows`' launches of long rows (a prompts' step's context
-# rows together): taller tiles read each key block for twice the queries. The same key blocks
-# (BLOCK_N) in the same order: the same bits (a fully masked block leaves a query's state as it
-# was). Round 22 found them 0.84x the time with 64 prompts of 8k in one launch, but 1.11x at
-# 2k with a launch a row; the rows have been together since round 27
-TOGETHER_TILE = (128, 8, 3)
-
-
 def _launch(queries: int) -> tuple[int, Launcher]:
     """(BLOCK_N, launcher) of a launch of `queries` a row and kv head."""
     bn, warps, stages = STEP_LAUNCH if queries <= ONE_TILE else ROWS_LAUNCH
     return bn, _launcher(warps, stages)
-
-
-def _together_launch(queries: int, rows: int) -> tuple[int, int, Launcher]:
-    """(BLOCK_M, BLOCK_N, launcher) of `attend_rows` over rows of `queries` at most."""
-    bm, (bn, launch) = _block_m(queries, rows), _launch(queries)
-    if queries <= ONE_TILE:
-        return bm, bn, launch
-    tile, warps, stages = TOGETHER_TILE
-    return tile, bn, _launcher(warps, stages)
 
 
 @functools.cache

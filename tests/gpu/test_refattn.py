@@ -153,17 +153,12 @@ def test_reference_kernel_on_causal_prompts(fused: ModuleType) -> None:
     assert torch.equal(out[:, 0], kv[1, slots, :, 0].float().repeat_interleave(Hq // Hkv, 1))
 
 
-@pytest.mark.parametrize("tile", [(64, 4, 3), (128, 8, 3)])
 @pytest.mark.parametrize("committed", [0, 37])
-def test_context_rows_in_one_launch_are_each_rows_own(fused: ModuleType, committed: int,
-                                                      tile: tuple[int, int, int],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_context_rows_in_one_launch_are_each_rows_own(fused: ModuleType, committed: int) -> None:
     # `attend_rows`: rows of several lengths (each >= 16 queries a group head: the tiles of
     # their own launches), their tokens anywhere in the step's q, slots in any order, prompts
-    # or chunks after `committed` keys. Each row bit for bit its own `attend` (64-query tiles)
-    # whatever the launch's tile height (`TOGETHER_TILE`); the tokens of no row (a gen row's,
-    # between them) left as they were
-    monkeypatch.setattr(fused, "TOGETHER_TILE", tile)
+    # or chunks after `committed` keys. Each row bit for bit its own `attend`; the tokens of
+    # no row (a gen row's, between them) left as they were
     g = torch.Generator(device=DEV).manual_seed(13)
     Hq, Hkv, D = 32, 8, 128
     lens, slots = [700, 64, 1003, 300], [3, 0, 4, 1]

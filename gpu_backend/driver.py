@@ -39,7 +39,7 @@ from typing import Protocol
 
 import torch
 
-from gpu_backend import oracle, sidework
+from gpu_backend import oracle
 from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tests, tools)
 from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
@@ -112,7 +112,7 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     # with glibc's defaults much of the preparation's arrays is new memory every step, a page
     # fault each 4 KiB: a 64 x 2k prompts' step is prepared in 0.8x the time here (`sim.heap`).
     # Not trimmed at the end (`TRIM`)
-    with _frozen_heap(), heap.kept(trim=TRIM), sidework.own_stream(device):
+    with _frozen_heap(), heap.kept(trim=TRIM):
         if watch == "incremental" and not skip:
             try:
                 return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch, n)
@@ -163,14 +163,12 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
             _loop(trace, kernels, pool, truth, watch, graphs, ahead, res, skip, on_step)
         finally:  # what the preparation left to undo once the device is done with it (the
             # workers' slots registered with CUDA), outside the timed steps
-            sidework.settle(truth)
             for undo in state.cleanup:
                 undo()
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     res.stats["prepare_workers"] = workers
     res.stats["prepared_ahead"] = ahead.pulled
     res.stats["prepare_start_s"] = state.start_seconds
-    res.stats["steps_beside_reference"] = truth.beside_steps
     res.stats["prepare_timing_s"] = state.timing
     stats = getattr(kernels, "stats", None)
     if callable(stats):
@@ -236,7 +234,6 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
         if on_step:
             on_step(p.step.step, "start")
         got, known = None, False
-        sidework.guard(truth, p.b, p.fill)
         if graphs is not None and p.graph is not None:
             nxt, known = steps.next(), True  # whether p is the last
             got = _graph_step(graphs, pool, p, nxt, watch)
@@ -341,33 +338,18 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
     try:
         if b.step in skip:
             watch.on_fault()
-            join(truth.side)
             return lambda nxt: Pending(p, None, None, skip[b.step])
         out = kernels.run_step(pool, b, p.rows, p.dv, kv[0], kv[1], q)
     except KernelFault as e:
         watch.on_fault()
-        join(truth.side)
         msg = str(e)
         return lambda nxt: Pending(p, None, None, msg)
-    if ref is not None and _unjoined(truth, b, skip):
-        # read back alone, its errors made beside the steps after it (`sidework`)
-        tok = sidework.finish(truth, b, out, ref)
-        keep = (q, out, ref) if tq is None else (q, tq, out, ref)
-        return lambda nxt: Pending(p, tok, watch.after_kernels(p, nxt, nxt is None),
-                                   side=truth.side, keep=keep)
-    # before anything after the step reads what the reference reads or writes
-    join(truth.side)
+    finally:  # before anything after the step reads what the reference reads or writes
+        join(truth.side)
     if ref is None:
         ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
     tok = token_errors(out, ref)
     return lambda nxt: Pending(p, tok, watch.after_kernels(p, nxt, nxt is None))
-
-
-def _unjoined(truth: TruthStore, b: StepBatch, skip: dict[int, str]) -> bool:
-    """Whether step b's errors go beside the steps after it (`sidework`): a step the loop reads
-    back alone (SEND_TOKENS), its reference on the side stream, no step isolated."""
-    return (sidework.ENABLED and truth.side is not None and not skip
-            and b.num_tokens >= SEND_TOKENS)
 
 
 def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int

@@ -92,10 +92,10 @@ class StepBatch:
 
 
 # StepBatch fields the replay loop never reads (driver, oracle, graphs.run, replay, reference,
-# launch_runs, stale_plan and sidework read the others): prepare's inputs, staged for the device
-PREP_ONLY = ("kv_indices", "kv_len", "block_table", "app_tokens", "app_rope", "rope_pos",
-             "append_pos", "true_pos", "new_tokens", "reject_page", "reject_slot",
-             "xqa_indptr", "xqa_indices", "xqa_last_page_len")
+# launch_runs and stale_plan read the others): prepare's inputs, staged for the device
+PREP_ONLY = ("requests", "kv_indices", "kv_len", "block_table", "app_tokens", "app_rope",
+             "rope_pos", "append_pos", "true_pos", "committed", "new_tokens", "reject_page",
+             "reject_slot", "xqa_indptr", "xqa_indices", "xqa_last_page_len")
 
 
 def _pack(b: StepBatch) -> tuple[bytearray, list[object], list[tuple[int, str, int, int]],

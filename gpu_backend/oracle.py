@@ -14,7 +14,6 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import ModuleType
-from typing import Any
 
 import numpy as np
 import torch
@@ -143,10 +142,6 @@ class TruthStore:
         self.kv = torch.zeros((2, slots, kv_heads, span, head_dim), dtype=dtype, device=device)
         # the stream the reference runs on (`beside`), or None: in order on the current stream
         self.side = _side_stream(torch.device(device)) if side else None
-        # work left on `side` that the replay's stream has not waited for (`sidework.Unjoined`),
-        # and the steps queued beside such work so far
-        self.unjoined: Any = None
-        self.beside_steps = 0
 
     def write(self, slots: torch.Tensor, pos: torch.Tensor, kv: torch.Tensor) -> None:
         """kv [2, n, H_kv, D] (content_blocks' K and V) at (slot, position) pairs."""

@@ -31,10 +31,6 @@ class Pending:
     tok: torch.Tensor | None
     changed: torch.Tensor | None
     fault: str = ""
-    # the stream tok is made on when not the replay's (`sidework.finish`), and what that
-    # stream reads, held until the step is judged
-    side: torch.cuda.Stream | None = None
-    keep: tuple[torch.Tensor, ...] = ()
 
 
 @dataclass
@@ -49,21 +45,7 @@ class Sent:
 
 
 def send(pending: list[Pending]) -> Sent:
-    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`. A
-    step whose errors are made on a side stream is read back there when it is sent alone (the
-    replay's stream goes on without it: `sidework`); with others, the replay's stream waits
-    for that stream first."""
-    sides = [x.side for x in pending if x.side is not None]
-    if len(pending) == 1 and sides:
-        sides[0].wait_stream(torch.cuda.current_stream())  # its moved pages, made there
-        with torch.cuda.stream(sides[0]):
-            return _send(pending)
-    for side in sides:
-        torch.cuda.current_stream().wait_stream(side)
-    return _send(pending)
-
-
-def _send(pending: list[Pending]) -> Sent:
+    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
     toks = [x.tok for x in pending if x.tok is not None]
     moved = [x.changed for x in pending if x.changed is not None]
     out = Sent(list(pending), _to_host(torch.cat(toks, 1)) if toks else None,

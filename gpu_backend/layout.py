@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from gpu_backend.intsets import member
 from sim.errors import TraceError
 from sim.trace.records import RowRecord, StepRecord
 
@@ -227,36 +226,6 @@ def _block_table(c: Columns, guard: int) -> np.ndarray:
     return (bt + guard).astype(I32)
 
 
-def _truth_writes(c: Columns, B: int, guard: int, row_of_token: np.ndarray,
-                  true_pos: np.ndarray, eng: np.ndarray,
-                  shared: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(allowed pages, write_ok per token, rejected-draft pages, slots), all from the truth:
-    token t of row r writes true position committed_r + j into alloc_r[pos // B]; the row may
-    write that block unless it is one of its shared prefix blocks."""
-    n_alloc, alloc = c["alloc_len"], c["alloc"]
-    ptr = np.concatenate([[0], np.cumsum(n_alloc)])
-    lead = c["shared_blocks"]
-    blk = true_pos // B
-    has = blk < n_alloc[row_of_token]
-    page = np.where(has, alloc[np.minimum(ptr[row_of_token] + blk, max(len(alloc) - 1, 0))]
-                    if len(alloc) else -1, -1)
-    page = np.where(page >= 0, page + guard, -1)
-    mine = (page >= 0) & (blk >= lead[row_of_token]) & ~np.isin(page - guard, shared)
-    # pages of each row's own non-shared blocks, keyed by row: may the engine's write go there?
-    # (the definition, over every page of the batch: this is the compiled pass's oracle)
-    own_row = np.repeat(np.arange(len(n_alloc)), n_alloc)
-    own_ok = (np.arange(len(alloc)) - ptr[own_row] >= lead[own_row]) & (alloc >= 0)
-    own_ok &= ~np.isin(alloc, shared)
-    big = 1 << 32
-    own_keys = np.sort(own_row[own_ok] * big + alloc[own_ok] + guard)
-    write_ok = member(row_of_token.astype(np.int64) * big + eng, own_keys) & (eng >= 0)
-    gen = c["is_gen"][row_of_token]
-    new = c["new_tokens"][row_of_token]
-    committed = c["committed"][row_of_token]
-    rej = gen & (true_pos - committed >= new) & (page >= 0)
-    return (np.unique(page[mine]), write_ok, page[rej], true_pos[rej] % B)
-
-
 def bad_lengths(q_len: np.ndarray, rope_len: np.ndarray, append_len: np.ndarray,
                 tokens_len: np.ndarray) -> np.ndarray:
     """Per row: its lists' lengths contradict it. A device-ahead row appends more K/V than it
@@ -280,7 +249,7 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
     block events): no row may write them, whatever its `shared_blocks` says. `cols`: the rows
     as arrays (`TraceData.columns`), else built from the rows' tuples (`columns`).
     `compiled`: the per-token work in one numba pass (`gpu_backend.flatten`), else in numpy
-    (`_flat_numpy`, the oracle it is tested against).
+    (`flatnumpy.flat_numpy`, the oracle it is tested against).
     `checked`: `cols` are the trace's, which fit the rows and passed the lengths check when it
     loaded (`TraceData.checked`).
     Raises TraceError when a row contradicts itself (list lengths)."""
@@ -310,54 +279,6 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
         runs=_runs(c["is_ctx"], c["q_len"]), **f)
 
 
-def prompts_batch(step: StepRecord, c: Columns, page_size: int, guard: int,
-                  per_token: bool = True) -> StepBatch | None:
-    """Step `step` as far as its content and reference read it, before its pages: the rows'
-    own fields and the per-token ones are `build_step`'s, the page fields (the engine's table,
-    its writes, the truth's pages, the rejected drafts) are empty. `prepare` queues a prompts'
-    step's content and reference from it and makes the whole batch after their launches: at
-    64 x 2k `build_step` was ~40% of the host's time before the device's first launch.
-    Only a step of context rows, each with queries and its appends its queries (as a prompts'
-    step's), from columns that passed the lengths check (`TraceData.checked`); else None.
-    per_token False: each token's row and true position are None (`token_rows` makes them),
-    for a step whose content the device makes from its rows (`truthprep.row_content`)."""
-    q_len = c["q_len"]
-    if not len(q_len) or not c["is_ctx"].all() or (q_len <= 0).any() or \
-            not np.array_equal(c["append_pos_len"], q_len):
-        return None
-    R = len(q_len)
-    qo = np.zeros(R + 1, dtype=I32)
-    np.cumsum(q_len, out=qo[1:])
-    i32, i64 = np.zeros(0, dtype=I32), np.zeros(0, dtype=np.int64)
-    unmade: Any = None  # made by `token_rows`: a reader before it fails at once
-    b = StepBatch(
-        step=step.step, backend=step.backend, plan_q_len=step.plan_q_len,
-        plan_batch=step.plan_batch, plan_cache_size=step.plan_cache_size, page_size=page_size,
-        guard=guard, requests=c["request"], is_ctx=c["is_ctx"], q_len=q_len, qo_indptr=qo,
-        kv_indptr=i32, kv_indices=i32, last_page_len=i32, kv_len=i32,
-        block_table=np.zeros((R, 0), dtype=I32), row_of_token=unmade, tokens=c["tokens"],
-        app_row=unmade, app_tokens=c["tokens"], app_rope=c["rope_pos"], rope_pos=c["rope_pos"],
-        append_pos=c["append_pos"], true_pos=unmade, committed=c["committed"],
-        new_tokens=c["new_tokens"], allowed_pages=i64, engine_write=i64,
-        write_ok=np.zeros(0, dtype=bool), reject_page=i64, reject_slot=i64, xqa_indptr=i32,
-        xqa_indices=i32, xqa_last_page_len=i32)
-    return token_rows(b) if per_token else b
-
-
-def token_rows(b: StepBatch) -> StepBatch:
-    """`prompts_batch(per_token=False)`'s batch with each token's row and true position."""
-    from gpu_backend import prepk  # numba: loaded where a replay prepares, as `flatten`
-
-    if prepk.ENABLED:
-        row, true_pos = prepk.token_rows(b.q_len, b.committed)
-    else:  # the oracle: committed + j is each row's start less its first token, plus the token
-        qo = b.qo_indptr
-        row = np.repeat(np.arange(b.num_rows, dtype=I32), b.q_len)
-        true_pos = np.arange(int(qo[-1]), dtype=np.int64) + \
-            np.repeat(b.committed - qo[:-1], b.q_len)
-    return replace(b, row_of_token=row, app_row=row, true_pos=true_pos)
-
-
 def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
                    B: int, guard: int) -> dict[str, np.ndarray]:
     from gpu_backend.flatten import run
@@ -368,39 +289,16 @@ def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.n
     return dict(zip(_FLAT, out, strict=True))
 
 
-# the arrays `_flat_numpy` and `flatten.flatten` return, in this order
-_FLAT = ("qo_indptr", "kv_indices", "row_of_token", "true_pos", "tokens", "app_row", "app_rope",
-         "engine_write", "write_ok", "allowed_pages", "reject_page", "reject_slot")
-
-
 def _flat_numpy(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
                 B: int, guard: int) -> dict[str, np.ndarray]:
-    R = len(c["q_len"])
-    q_len = c["q_len"]
-    qo = np.concatenate([[0], np.cumsum(q_len)]).astype(I32)
-    ind = np.concatenate([ind, np.full(TAIL, -1, dtype=np.int64)])
-    row_of_token = np.repeat(np.arange(R), q_len).astype(I32)
-    a_len = c["append_pos_len"]
-    app_row, j_app = _ragged(a_len)
-    app_row = app_row.astype(I32)
-    app = c["append_pos"]
-    # Append addresses indices[indptr[b] + pos // B] with no bounds check (reference §3).
-    slot = indptr[app_row] + app // B
-    inside = (slot >= 0) & (slot < len(ind))
-    eng = np.where(inside, ind[np.clip(slot, 0, max(len(ind) - 1, 0))] if len(ind) else -1, -1)
-    eng = np.where(inside & (eng >= -guard), eng + guard, -1).astype(np.int64)
-    committed = c["committed"]
-    true_pos = np.repeat(committed, q_len) + (np.arange(int(qo[-1])) - np.repeat(qo[:-1], q_len))
-    allowed, write_ok, rej_p, rej_s = _truth_writes(
-        c, B, guard, app_row, np.repeat(committed, a_len) + j_app, eng, shared)
-    # a row's first q_len appends are its queries; K of the extra (device-ahead) appends is
-    # built at their append position
-    is_q = j_app < q_len[app_row]
-    app_rope = app.copy()
-    app_rope[is_q] = c["rope_pos"]
-    out = (qo, (ind + guard).astype(I32), row_of_token, true_pos, c["tokens"][is_q], app_row,
-           app_rope, eng, write_ok, allowed, rej_p, rej_s)
-    return dict(zip(_FLAT, out, strict=True))
+    from gpu_backend.flatnumpy import flat_numpy
+
+    return flat_numpy(c, indptr, ind, shared, B, guard)
+
+
+# the arrays `flatnumpy.flat_numpy` and `flatten.flatten` return, in this order
+_FLAT = ("qo_indptr", "kv_indices", "row_of_token", "true_pos", "tokens", "app_row", "app_rope",
+         "engine_write", "write_ok", "allowed_pages", "reject_page", "reject_slot")
 
 
 def launch_runs(b: StepBatch) -> list[tuple[int, int, str]]:

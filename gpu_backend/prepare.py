@@ -22,13 +22,15 @@ import numpy as np
 import torch
 
 from gpu_backend import graphs, prepk, truthprep
-from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
+from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
-from gpu_backend.intsets import member, unique
-from gpu_backend.layout import StepBatch, build_step, prompts_batch, run_arrays, token_rows
+from gpu_backend.intsets import unique
+from gpu_backend.layout import StepBatch, build_step, run_arrays
+from gpu_backend.promptbatch import prompts_batch, token_rows
 from gpu_backend.refgroups import RefGroup, ref_groups
 from gpu_backend.staging import Chunk, FromRows, Joined, StepArrays, stage
+from gpu_backend.targets import distinct, targets
 from gpu_backend.tracedata import TraceData
 from sim.trace.records import RowRecord, StepRecord
 
@@ -160,7 +162,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
                  chunk: Chunk, defer: bool = False) -> Prepared:
     """Step s's host work and its arrays, staged in `chunk`. defer: stage only what the
     content and the reference read, and leave the rest to `complete` (no CUDA graph step); a
-    prompts' step then waits for none of its pages (`layout.prompts_batch`)."""
+    prompts' step then waits for none of its pages (`promptbatch.prompts_batch`)."""
     if defer and s.step in st.trace.checked and s.step in st.trace.columns:
         thin = prompts_batch(s, st.trace.columns[s.step], st.trace.model.page_size, st.guard,
                              per_token=False)
@@ -194,7 +196,7 @@ def _events(st: HostState, s: StepRecord, flight: InFlight, arrays: dict[str, np
     """The pool operations before step s's kernels and the pages they touch (`_pool_ops`)."""
     ops, touched = event_ops(st.trace, s.step, st.guard, None, flight, arrays, st.shared)
     if st.prev_step < 0:  # before `_pool_ops` turns the dropped poison's pages into rows
-        ops = _fresh_pool(ops, arrays)
+        ops = fresh_pool(ops, arrays)
     return _pool_ops(st, ops, touched, arrays)
 
 
@@ -235,7 +237,7 @@ def _advance(st: HostState, b: StepBatch) -> int:
 def _content_first(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
                    chunk: Chunk, thin: StepBatch) -> Prepared:
     """`prepare_step(defer=True)` of a prompts' step: its content and reference from `thin`
-    (`layout.prompts_batch`, without its tokens' rows), made on the device from its rows where
+    (`promptbatch.prompts_batch`, without its tokens' rows), made on the device from its rows where
     they follow from them (`truthprep.row_content`); its events, its whole batch and the rest
     are `complete`'s (the truth's slots, taken here, are the one state they share)."""
     first: dict[str, np.ndarray] = {}
@@ -297,19 +299,10 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     the kernels' inputs, the pages its events touched and its appends target, its graph."""
     b = p.b
     arrays |= _step_arrays(b) | run_arrays(b)
-    tset = None
-    if len(touched):
-        tset = prepk.distinct(touched) if prepk.takes(len(touched)) else unique(touched)
+    tset = distinct(touched) if len(touched) else None
     if tset is not None:
         arrays["touched"] = tset
-    pages = st.trace.model.num_blocks + 2 * st.guard
-    if prepk.takes(len(b.engine_write)):
-        p.wpages, p.wcheck, p.wok = prepk.targets(
-            b.engine_write, pages, _NONE if tset is None else tset, tset is not None,
-            b.allowed_pages, b.write_ok)
-    else:
-        p.wpages, p.wcheck = _targets(b, pages, tset)
-        p.wok = _blameless(b, p.wpages)
+    p.wpages, p.wcheck, p.wok = targets(b, st.trace.model.num_blocks + 2 * st.guard, tset)
     p.touched = tset is not None
     if len(p.wpages):
         arrays["wpages"] = p.wpages
@@ -354,27 +347,6 @@ def _rewind(st: HostState, b: StepBatch) -> None:
         st.rewind = (np.concatenate([base, base + pz]), unique(b.reject_page))
 
 
-def _targets(b: StepBatch, pages: int, touched: np.ndarray | None) -> tuple[np.ndarray, int]:
-    """(the pages the step's appends target inside the pool, those its events did not touch
-    first; how many of the latter). touched: the pages the events touched, sorted, distinct."""
-    ew = b.engine_write
-    w = unique(ew[(ew >= 0) & (ew < pages)])
-    if touched is None:
-        return w, len(w)
-    hit = member(w, touched)
-    return np.concatenate([w[~hit], w[hit]]), int((~hit).sum())
-
-
-def _blameless(b: StepBatch, wpages: np.ndarray) -> np.ndarray:
-    """[len(wpages)] bool: the page is one the step may write (`allowed_pages`) and every append
-    that targets it may write it (`write_ok`). A moved checksum on such a page is no row's
-    fault (`oracle.blame` finds none), so the usual step needs no blame at all."""
-    ok = member(wpages, np.sort(b.allowed_pages.astype(np.int64)))
-    ew = b.engine_write
-    wrong = unique(ew[~b.write_ok])
-    return ok & ~member(wpages, wrong) if len(wrong) else ok
-
-
 def _pool_ops(st: HostState, ops: list[PoolOp], touched: np.ndarray,
               arrays: dict[str, np.ndarray]) -> tuple[list[PoolOp], np.ndarray]:
     """The pool operations before this step's kernels, in order: the last step's rewind (its
@@ -396,17 +368,6 @@ def _pool_ops(st: HostState, ops: list[PoolOp], touched: np.ndarray,
         return ops, touched
     arrays["ev-1"] = rej_rows
     return [("nan", -1, 0, 0), *ops], touched
-
-
-def _fresh_pool(ops: list[PoolOp], arrays: dict[str, np.ndarray]) -> list[PoolOp]:
-    """The replay's first step without the poison that comes before any copy: the pool starts
-    all NaN (`KVPool`) and nothing has written it yet, so that poison writes NaN over NaN. A
-    64 x 2k prompts' step staged 263k rows of it (its new pages), and the device rewrote 0.5 GB
-    (2.9 ms at 64 x 8k, round 22's timeline). The pages stay `touched`: re-summed as before."""
-    while ops and ops[0][0] == "nan":
-        arrays.pop(f"ev{ops[0][1]}")
-        ops = ops[1:]
-    return ops
 
 
 def _step_arrays(b: StepBatch) -> dict[str, np.ndarray]:

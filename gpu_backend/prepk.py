@@ -37,7 +37,7 @@ def takes(n: int) -> bool:
 @nb.njit(cache=True)
 def targets(ew: np.ndarray, pages: int, touched: np.ndarray, has_touched: bool,
             allowed: np.ndarray, write_ok: np.ndarray) -> tuple[np.ndarray, int, np.ndarray]:
-    """`prepare._targets` and `prepare._blameless` in one pass: (wpages, wcheck, wok).
+    """`targets._numpy_targets` and `targets._blameless` in one pass: (wpages, wcheck, wok).
     ew: each append's pool index (`engine_write`); touched: the pages the events touched,
     sorted and distinct (has_touched: there were any); allowed: the pages the truth lets the
     step write; write_ok: per append, its row may write that page."""
@@ -198,7 +198,7 @@ def content_split(tokens: np.ndarray, rope: np.ndarray, rope_pos: np.ndarray,
 
 @nb.njit(cache=True)
 def token_rows(q_len: np.ndarray, committed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`layout.prompts_batch`'s (row_of_token int32, true_pos int64): row r's q_len[r] tokens
+    """`promptbatch.prompts_batch`'s (row_of_token int32, true_pos int64): row r's q_len[r] tokens
     in order, at committed[r] + j. Two numpy repeats and an arange took ~0.3 ms of a 64 x 2k
     prompts' step on a development machine, before its first launch."""
     n = 0

@@ -115,7 +115,7 @@ def row_content(st: HostState, b: StepBatch, slots: np.ndarray,
     staged, and the device makes each token's float64 token and position, truth slot and true
     position from them (`staging.FromRows`): `content_arrays` staged four words a token and
     took most of the host's time before a 64 x 2k prompts' step's first launch. Returns
-    whether it did; if not, nothing is added. b: `layout.prompts_batch`'s (its appends are its
+    whether it did; if not, nothing is added. b: `promptbatch.prompts_batch`'s (its appends are its
     queries), per token or not."""
     if not prepk.ENABLED:  # the per-token arrays are the oracle
         return False

@@ -17,8 +17,9 @@ from replay_traces import FAULTS, SCENARIOS, named_trace
 from gpu_backend import driver, prepare
 from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.fa2plan import H200, Planner
-from gpu_backend.layout import StepBatch, prompts_batch
+from gpu_backend.layout import StepBatch
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
+from gpu_backend.promptbatch import prompts_batch
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.staging import Chunk, FromRows, Joined, stage
 from gpu_backend.tracedata import TraceData, load_trace
@@ -57,7 +58,7 @@ def test_a_deferred_step_completes_to_the_whole_one(tmp_path: Path, name: str,
                                                     together: bool) -> None:
     """Every step of a replay with its first step deferred has the arrays, pool operations,
     checked pages, graph and batch of the undeferred replay's (every trace here starts with a
-    prompts' step: `layout.prompts_batch`'s path)."""
+    prompts' step: `promptbatch.prompts_batch`'s path)."""
     trace = _trace(tmp_path, name)
     want, got = _steps(trace, False, together), _steps(trace, True, together)
     assert len(got) == len(want) > 0
@@ -84,7 +85,7 @@ def _same_batch(a: StepBatch, b: StepBatch, only: Iterable[str] | None = None) -
     return True
 
 
-# the fields `layout.prompts_batch` leaves empty: the pages'
+# the fields `promptbatch.prompts_batch` leaves empty: the pages'
 _PAGES = {"kv_indptr", "kv_indices", "last_page_len", "kv_len", "block_table",
           "allowed_pages", "engine_write", "write_ok", "reject_page", "reject_slot",
           "xqa_indptr", "xqa_indices", "xqa_last_page_len", "runs"}
@@ -112,7 +113,7 @@ def test_a_prompts_step_is_launched_from_its_rows_before_its_pages(tmp_path: Pat
 
 
 def test_only_a_step_of_prompts_is_launched_before_its_pages(tmp_path: Path) -> None:
-    """`layout.prompts_batch` takes a step of context rows whose appends are their queries,
+    """`promptbatch.prompts_batch` takes a step of context rows whose appends are their queries,
     each with queries; anything else is prepared whole before its launches."""
     trace = _trace(tmp_path, "big")
     s = trace.steps[0]

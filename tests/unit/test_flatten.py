@@ -1,5 +1,5 @@
 """The compiled flattening (`gpu_backend.flatten`) against the numpy one it replaced
-(`layout._flat_numpy`): the same arrays, dtypes included, on random rows (wild positions,
+(`flatnumpy.flat_numpy`): the same arrays, dtypes included, on random rows (wild positions,
 tables too short, shared pages, device-ahead appends) and on every step of the replay
 scenarios and the fault catalog's traces."""
 
@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, any_trace
 
 from gpu_backend import flatten, hostpool
-from gpu_backend.layout import _FLAT, TAIL, _flat_compiled, _flat_indices, _flat_numpy, build_step
+from gpu_backend.flatnumpy import flat_numpy as _flat_numpy
+from gpu_backend.layout import _FLAT, TAIL, _flat_compiled, _flat_indices, build_step
 from gpu_backend.tracedata import load_trace
 
 

@@ -18,9 +18,9 @@ from test_defer import _state, _steps
 
 from gpu_backend import prepk
 from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.layout import prompts_batch, token_rows
 from gpu_backend.pool import M, mod_m
 from gpu_backend.prepare import prepared_steps
+from gpu_backend.promptbatch import prompts_batch, token_rows
 from gpu_backend.staging import Chunk, FromRows, stage
 from gpu_backend.tracedata import TraceData, load_trace
 from gpu_backend.truthprep import row_content

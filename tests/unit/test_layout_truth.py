@@ -1,4 +1,4 @@
-"""`layout._truth_writes` and `layout._runs` against their definitions, written out row by row.
+"""`flatnumpy.truth_writes` and `layout._runs` against their definitions, written out row by row.
 A row may write a page when it is one of the row's own blocks (past its shared prefix,
 allocated, not shared). Launch runs are the maximal runs of rows of one kind."""
 
@@ -8,7 +8,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_backend.layout import _ragged, _runs, _truth_writes
+from gpu_backend.flatnumpy import truth_writes as _truth_writes
+from gpu_backend.layout import _ragged, _runs
 
 B, GUARD = 4, 3
 

@@ -317,7 +317,7 @@ def test_truth_shape_counts_a_request_live_at_its_last_step(tmp_path: Path) -> N
 def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           name: str) -> None:
-    """The replay's first step stages no poison before its first copy (`prepare._fresh_pool`:
+    """The replay's first step stages no poison before its first copy (`events.fresh_pool`:
     the pool starts all NaN), later steps keep theirs, and the verdicts are those of a replay
     that poisons it."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
@@ -340,7 +340,7 @@ def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
 
     want, ops = run()
     assert not ops[0] or ops[0][0][0] != "nan"
-    monkeypatch.setattr(prepare, "_fresh_pool", lambda ops, arrays: ops)
+    monkeypatch.setattr(prepare, "fresh_pool", lambda ops, arrays: ops)
     got, poisoned = run()
     assert got == want
     assert ops[1:] == poisoned[1:]
@@ -351,7 +351,7 @@ def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
 def test_the_fresh_pools_dropped_poison_is_never_made_rows(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           name: str) -> None:
-    """`_fresh_pool` drops the first step's poison before `_pool_ops` turns poisoned pages
+    """`fresh_pool` drops the first step's poison before `_pool_ops` turns poisoned pages
     into pool rows (0.5 ms of a 64 x 2k prompts' step, 2 at 8k, on a development machine)."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     given: list[list[Any]] = []

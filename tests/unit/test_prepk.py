@@ -163,7 +163,7 @@ _pages = st.integers(-3, 40)
 def test_targets_are_the_numpy_targets_and_blame(apps: list[tuple[int, bool]],
                                                  touched: list[int] | None,
                                                  allowed: list[int], pages: int) -> None:
-    """`prepk.targets` against `prepare._targets` + `_blameless`' numpy, on drawn writes
+    """`prepk.targets` against `targets._numpy_targets` + `_blameless`' numpy, on drawn writes
     (wild ones below 0 and past the pool included), touched pages and allowed pages."""
     ew = np.array([e for e, _ in apps], dtype=np.int64)
     ok = np.array([o for _, o in apps], dtype=bool)
@@ -242,7 +242,7 @@ def test_a_row_whose_lengths_contradict_itself_is_refused_as_before(tmp_path: Pa
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 300), st.integers(0, 5000)), max_size=12))
 def test_token_rows_is_its_numpy(rows: list[tuple[int, int]]) -> None:
-    """`prepk.token_rows` against `layout.prompts_batch`'s numpy: each token's row and
+    """`prepk.token_rows` against `promptbatch.prompts_batch`'s numpy: each token's row and
     committed + j, rows of any length (none too)."""
     q_len = np.array([q for q, _ in rows], dtype=np.int64)
     committed = np.array([c for _, c in rows], dtype=np.int64)

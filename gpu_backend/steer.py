@@ -8,13 +8,17 @@ with many generation steps is bound by its loop thread's host work when that thr
 slow CPU (docs/gpu.md, round 30). Linux sees no difference between the CPUs, so it does not
 move the thread.
 
-How: `Steer.tick` runs a short fixed piece of Python (`_probe`) on each allowed CPU in turn,
-the thread pinned there, then keeps the thread to the `FASTEST` quickest; again once `PERIOD`
-seconds have passed. The loop ticks after each step it queues, so the first sweep comes once
-the prompts' step is queued and the device has tens of ms of work. `close` gives the thread
-back every CPU it had. Only the loop's thread moves; the verdicts do not depend on where it
-runs. Off where fewer than `MIN_CPUS` CPUs are allowed (CI's 2 cores, the CPU backend, whose
-torch needs them) or where the OS has no CPU affinity.
+How: `Steer.tick` times a short fixed piece of Python (`_probe`, ~35 µs at the H200 host's best)
+on the thread's CPU, once `PERIOD` seconds have passed since it last did. If that took over
+`SLOW` times the quickest probe this process has seen, or none has been seen, it sweeps: the
+probe on each allowed CPU in turn, the thread pinned there, then the thread kept to the
+`FASTEST` quickest. A sweep costs ~2-2.6 ms on the H200's host (most of it moving the thread
+to each CPU), so it is done only when the thread is slow where it is: on a fast host, a sweep
+at every replay's start cost a 96-step replay more than it gained (round 34). The loop ticks
+before its first step and after each step. `close` gives the thread back every CPU it had.
+Only the loop's thread moves; the verdicts do not depend on where it runs. Off where fewer
+than `MIN_CPUS` CPUs are allowed (CI's 2 cores, the CPU backend, whose torch needs them) or
+where the OS has no CPU affinity.
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from collections.abc import Iterable
 
 ENABLED = True
 FASTEST = 4  # CPUs the loop's thread is kept to
-PERIOD = 0.5  # s between sweeps: the slow spells last seconds
+PERIOD = 0.02  # s between looks at the thread's own CPU (a look: ~35 µs)
+SLOW = 1.3  # a probe this many times the quickest seen: the thread's CPU is slow, sweep
 MIN_CPUS = 6  # allowed CPUs below which nothing moves
-PROBE = 1000  # iterations of `_probe`'s loop: ~50 µs at the H200 host's best speed
+PROBE = 1000  # iterations of `_probe`'s loop: ~35 µs at the H200 host's best speed
+_QUICKEST = [float("inf")]  # the quickest probe this process has seen (s), on any CPU
 
 
 class Steer:
@@ -39,18 +45,30 @@ class Steer:
         self.cpus = sorted(self.own) if enabled and ENABLED and len(self.own) >= MIN_CPUS \
             else []
         self.last = -float("inf")
-        self.sweeps = 0
+        self.sweeps = self.looks = 0
         self.seconds = 0.0
         self.kept: list[int] = []
 
     def tick(self) -> None:
-        """A sweep, if one is due: the thread then runs on the fastest CPUs it found."""
+        """A look at the thread's CPU, if one is due; a sweep if it is slow (the thread then
+        runs on the fastest CPUs found)."""
         if not self.cpus:
             return
         t0 = time.perf_counter()
         if t0 - self.last < PERIOD:
             return
+        self.last = t0
+        self.looks += 1
+        quickest = _QUICKEST[0]
+        here = _timed()
+        if here > SLOW * quickest:  # once more: an interrupt may have made it slow
+            here = min(here, _timed())
+        if here <= SLOW * quickest < float("inf"):  # fast enough where it is
+            _QUICKEST[0] = min(quickest, here)
+            self.seconds += time.perf_counter() - t0
+            return
         took = speeds(self.cpus)
+        _QUICKEST[0] = min(_QUICKEST[0], *took.values())
         self.kept = sorted(self.cpus, key=took.__getitem__)[: max(FASTEST, 1)]
         os.sched_setaffinity(0, self.kept)
         self.last = time.perf_counter()
@@ -64,7 +82,8 @@ class Steer:
         self.cpus = []
 
     def stats(self) -> dict[str, object]:
-        return {"steer_sweeps": self.sweeps, "steer_s": self.seconds, "steer_cpus": self.kept}
+        return {"steer_sweeps": self.sweeps, "steer_looks": self.looks, "steer_s": self.seconds,
+                "steer_cpus": self.kept}
 
 
 def speeds(cpus: Iterable[int]) -> dict[int, float]:
@@ -73,10 +92,14 @@ def speeds(cpus: Iterable[int]) -> dict[int, float]:
     out = {}
     for c in cpus:
         os.sched_setaffinity(0, (c,))  # returns once the thread runs there
-        t0 = time.perf_counter()
-        _probe(PROBE)
-        out[c] = time.perf_counter() - t0
+        out[c] = _timed()
     return out
+
+
+def _timed() -> float:
+    t0 = time.perf_counter()
+    _probe(PROBE)
+    return time.perf_counter() - t0
 
 
 def _probe(n: int) -> int:

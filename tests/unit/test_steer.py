@@ -38,15 +38,39 @@ def test_a_sweep_keeps_the_thread_to_the_fastest_and_close_gives_all_back(
     monkeypatch.setattr(steer, "MIN_CPUS", 1)
     monkeypatch.setattr(steer, "FASTEST", 1)
     monkeypatch.setattr(steer, "PERIOD", 3600.0)
+    monkeypatch.setattr(steer, "_QUICKEST", [float("inf")])  # a process that never looked
     s = steer.Steer()
     timed: list[dict[int, float]] = []
     speeds = steer.speeds
     monkeypatch.setattr(steer, "speeds", lambda cpus: timed.append(speeds(cpus)) or timed[-1])
-    s.tick()
+    s.tick()  # the first look sweeps: nothing to compare with yet
     fastest = min(timed[0], key=timed[0].__getitem__)
     assert os.sched_getaffinity(0) == {fastest} and s.kept == [fastest]
-    s.tick()  # not due for an hour: no second sweep
-    assert len(timed) == 1 and s.stats()["steer_sweeps"] == 1 and s.seconds > 0
+    assert steer._QUICKEST[0] == min(timed[0].values())
+    s.tick()  # not due for an hour: no look
+    assert len(timed) == 1 and s.stats()["steer_sweeps"] == 1 and s.looks == 1
+    s.close()
+    assert os.sched_getaffinity(0) == own
+
+
+def test_a_look_sweeps_only_where_the_thread_is_slow(own: set[int],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(steer, "MIN_CPUS", 1)
+    monkeypatch.setattr(steer, "PERIOD", 0.0)
+    monkeypatch.setattr(steer, "_QUICKEST", [40e-6])
+    probe = [38e-6]
+    monkeypatch.setattr(steer, "_timed", lambda: probe[0])
+    s = steer.Steer()
+    s.tick()  # 38 µs against 40: fast where it is, no sweep, the quickest now 38
+    assert (s.looks, s.sweeps, steer._QUICKEST[0]) == (1, 0, 38e-6)
+    assert os.sched_getaffinity(0) == own
+    probe[0] = 1.2 * 38e-6  # under SLOW x the quickest
+    s.tick()
+    assert s.sweeps == 0
+    probe[0] = 2 * 38e-6  # a slow spell here: a sweep, the thread then on FASTEST CPUs
+    s.tick()
+    assert s.sweeps == 1 and os.sched_getaffinity(0) == set(s.kept)
+    assert len(s.kept) == min(steer.FASTEST, len(own))
     s.close()
     assert os.sched_getaffinity(0) == own
 
@@ -57,7 +81,8 @@ def test_too_few_cpus_or_disabled_moves_nothing(own: set[int],
     for s in (steer.Steer(), steer.Steer(enabled=False)):
         s.tick()
         s.close()
-        assert s.stats() == {"steer_sweeps": 0, "steer_s": 0.0, "steer_cpus": []}
+        assert s.stats() == {"steer_sweeps": 0, "steer_looks": 0, "steer_s": 0.0,
+                             "steer_cpus": []}
         assert os.sched_getaffinity(0) == own
     monkeypatch.setattr(steer, "MIN_CPUS", 1)
     monkeypatch.setattr(steer, "ENABLED", False)  # the switch `bench/gpu_pair.py --set` turns
@@ -78,10 +103,12 @@ def test_a_steered_replay_has_the_same_verdicts_and_gives_the_cpus_back(
     assert plain.stats["steer_sweeps"] == 0  # the CPU backend: its torch needs every core
     monkeypatch.setattr(steer, "MIN_CPUS", 1)
     monkeypatch.setattr(steer, "FASTEST", 1)
-    monkeypatch.setattr(steer, "PERIOD", 0.0)  # a sweep after every step
+    monkeypatch.setattr(steer, "PERIOD", 0.0)  # a look before the first step and after each
+    monkeypatch.setattr(steer, "SLOW", 0.0)  # ... and every look sweeps
     monkeypatch.setattr(driver, "Steer", lambda _cuda: steer.Steer(True))
     steered = run()
-    assert steered.stats["steer_sweeps"] == len([s for s in trace.steps if trace.rows[s.step]])
+    looks = len([s for s in trace.steps if trace.rows[s.step]]) + 1
+    assert steered.stats["steer_looks"] == steered.stats["steer_sweeps"] == looks
     assert [(r.step, r.row, r.verdict, r.err) for r in steered.rows] == \
         [(r.step, r.row, r.verdict, r.err) for r in plain.rows]
     assert os.sched_getaffinity(0) == own

@@ -230,12 +230,12 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
           on_step: Callable[[int, str], None] | None, tick: Callable[[], None]) -> None:
     """Every prepared step: queue its device work, read back and judge the steps before it.
     Where the host would wait for the device, it prepares steps ahead instead (`Ahead`).
-    `tick` before the first step and after each: the thread's CPUs (`steer.Steer.tick`)."""
+    `tick` after each step: the thread's CPUs (`steer.Steer.tick`; not before the first, whose
+    preparation the device waits for)."""
     pending: list[Pending] = []
     sent: deque[Sent] = deque()
     tokens = since = 0
     left = len(replayed(trace))  # the steps the loop runs
-    tick()
     nxt = steps.next()
     while nxt is not None:
         p = nxt

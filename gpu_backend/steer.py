@@ -15,10 +15,11 @@ probe on each allowed CPU in turn, the thread pinned there, then the thread kept
 `FASTEST` quickest. A sweep costs ~2-2.6 ms on the H200's host (most of it moving the thread
 to each CPU), so it is done only when the thread is slow where it is: on a fast host, a sweep
 at every replay's start cost a 96-step replay more than it gained (round 34). The loop ticks
-before its first step and after each step. `close` gives the thread back every CPU it had.
-Only the loop's thread moves; the verdicts do not depend on where it runs. Off where fewer
-than `MIN_CPUS` CPUs are allowed (CI's 2 cores, the CPU backend, whose torch needs them) or
-where the OS has no CPU affinity.
+after each step it queues, not before the first: a sweep there (the thread on a slow CPU)
+came before any device work, and a 12-step replay's wall grew by it (round 34). `close`
+gives the thread back every CPU it had. Only the loop's thread moves; the verdicts do not
+depend on where it runs. Off where fewer than `MIN_CPUS` CPUs are allowed (CI's 2 cores, the
+CPU backend, whose torch needs them) or where the OS has no CPU affinity.
 """
 
 from __future__ import annotations

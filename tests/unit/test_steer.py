@@ -103,11 +103,11 @@ def test_a_steered_replay_has_the_same_verdicts_and_gives_the_cpus_back(
     assert plain.stats["steer_sweeps"] == 0  # the CPU backend: its torch needs every core
     monkeypatch.setattr(steer, "MIN_CPUS", 1)
     monkeypatch.setattr(steer, "FASTEST", 1)
-    monkeypatch.setattr(steer, "PERIOD", 0.0)  # a look before the first step and after each
+    monkeypatch.setattr(steer, "PERIOD", 0.0)  # a look after each step
     monkeypatch.setattr(steer, "SLOW", 0.0)  # ... and every look sweeps
     monkeypatch.setattr(driver, "Steer", lambda _cuda: steer.Steer(True))
     steered = run()
-    looks = len([s for s in trace.steps if trace.rows[s.step]]) + 1
+    looks = len([s for s in trace.steps if trace.rows[s.step]])
     assert steered.stats["steer_looks"] == steered.stats["steer_sweeps"] == looks
     assert [(r.step, r.row, r.verdict, r.err) for r in steered.rows] == \
         [(r.step, r.row, r.verdict, r.err) for r in plain.rows]

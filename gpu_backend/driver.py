@@ -48,7 +48,6 @@ from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, replayed
 from gpu_backend.readback import Pending, Sent, drain, send, settle
 from gpu_backend.result import ReplayResult
-from gpu_backend.steer import Steer
 from gpu_backend.tracedata import TraceData
 from gpu_backend.truthprep import truth_shape
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
@@ -157,21 +156,15 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     res = ReplayResult(kernels.name, str(trace.path), tol)
     res.watch = watch.name
     # the first step deferred: its content and reference run before the rest is prepared
-    # the loop's thread on the host's fastest CPU (a GPU host's: `steer`; not beside workers,
-    # whose fork would end its watchers)
-    steer = Steer(torch.device(device).type == "cuda" and not workers)
     with closing(prepared_steps(trace, state, device, workers, defer=True)) as steps:
         try:
             # a worker's chunk may wait for slots the loop frees as it judges: no bank there
             ahead = Ahead(steps, 0 if workers else BANK)
-            _loop(trace, kernels, pool, truth, watch, graphs, ahead, res, skip, on_step,
-                  steer.tick)
+            _loop(trace, kernels, pool, truth, watch, graphs, ahead, res, skip, on_step)
         finally:  # what the preparation left to undo once the device is done with it (the
             # workers' slots registered with CUDA), outside the timed steps
-            steer.close()
             for undo in state.cleanup:
                 undo()
-    res.stats |= steer.stats()
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     res.stats["prepare_workers"] = workers
     res.stats["prepared_ahead"] = ahead.pulled
@@ -228,11 +221,9 @@ class Ahead:
 def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, watch: Watch,
           graphs: StepGraphs | None, steps: Ahead,
           res: ReplayResult, skip: dict[int, str],
-          on_step: Callable[[int, str], None] | None, tick: Callable[[], None]) -> None:
+          on_step: Callable[[int, str], None] | None) -> None:
     """Every prepared step: queue its device work, read back and judge the steps before it.
-    Where the host would wait for the device, it prepares steps ahead instead (`Ahead`).
-    `tick` after each step: the thread's CPUs (`steer.Steer.tick`; not before the first, whose
-    preparation the device waits for)."""
+    Where the host would wait for the device, it prepares steps ahead instead (`Ahead`)."""
     pending: list[Pending] = []
     sent: deque[Sent] = deque()
     tokens = since = 0
@@ -273,7 +264,6 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
             if len(sent) > LEAD:
                 steps.fill(sent[0].ready)
             drain(res, sent, watch, LEAD)
-        tick()
         if on_step:
             on_step(p.step.step, "done")
 

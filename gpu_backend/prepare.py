@@ -21,7 +21,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu_backend import graphs, prepk, truthprep
+from gpu_backend import blockpack, graphs, prepk, truthprep
 from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
@@ -41,6 +41,9 @@ CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host mem
 # measured so far) that only hides the device's share: a wash end to end on the H200 (docs/gpu.md
 # round 11); it pays once preparation is faster than the device
 CHUNK_STEPS = 8
+# a graph step's arrays past its first part in one compiled pass (`blockpack`); False: numpy
+# and one `Chunk.add` an array (`_rest`'s own way, the pass's oracle)
+PACK = True
 
 
 @dataclass
@@ -298,6 +301,8 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     """The step's arrays past the content's and the reference's, staged in `chunk` into p:
     the kernels' inputs, the pages its events touched and its appends target, its graph."""
     b = p.b
+    if st.graphs is not None and PACK and _packed(st, touched, arrays, prev, ok, chunk, p):
+        return
     arrays |= _step_arrays(b) | run_arrays(b)
     tset = distinct(touched) if len(touched) else None
     if tset is not None:
@@ -312,6 +317,21 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     p.dv = Joined(p.dv, dv) if len(p.dv) else dv
     if p.graph is not None:
         graphs.span(dv)
+
+
+def _packed(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], prev: int,
+            ok: bool, chunk: Chunk, p: Prepared) -> bool:
+    """`_rest` of a graph step in one compiled pass (`blockpack`): the same words and views.
+    False: not such a step, nothing staged."""
+    assert st.graphs is not None
+    got = blockpack.packed(st.graph_caps, p.b, arrays, p.ops, touched, prev, ok, p.groups,
+                           st.graphs, st.trace.model.num_blocks + 2 * st.guard, chunk)
+    if got is None:
+        return False
+    p.graph, dv, (p.wpages, p.wcheck, p.wok) = got
+    p.touched = len(touched) > 0
+    p.dv = Joined(p.dv, dv) if len(p.dv) else dv
+    return True
 
 
 def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,

@@ -1,0 +1,198 @@
+"""A CUDA-graph step's block (`graphs.block`) and the arrays staged beside it, in one compiled
+pass.
+
+Why: at batch 64 x kv 2k the steady step's arrays after its layout (`prepare._rest`: FlashInfer's
+seq_lens, the launch's qo_indptr, the pages the appends target, FA2's plan, the block's padded
+fields, then ~20 staged arrays) took ~130 µs of a ~380 µs preparation on a development machine,
+in ~60 numpy calls and `Chunk.add`s of a few µs each. Here the block is one int64 array written
+field by field, staged with one `Chunk.add`: the same words at the same offsets, the same
+views (`staged`). `prepare._rest`'s way stays as the oracle (tests/unit/test_blockpack.py
+holds every step of the benchmark traces to its words and views).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from gpu_backend import fa2plan, prepk
+from gpu_backend.layout import StepBatch, stale_plan
+from gpu_backend.staging import ALIGN, Chunk, Slot, StepArrays, stage
+from sim.jit_cache import drop_stale
+
+drop_stale(__file__)
+
+import numba as nb  # noqa: E402
+
+# the arrays the step's first part stages (`prepare._first`) for a graph step, all fields
+FIRST = frozenset(("app_tok_m", "app_pos_m", "tslot", "true_pos", "g0_limit", "g0_slots"))
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+def packed(caps: dict[tuple[int, int], Any], b: StepBatch, arrays: dict[str, np.ndarray],
+           ops: list[Any], touched: np.ndarray, prev: int, ok: bool, groups: list[Any],
+           planner: fa2plan.Planner, pages: int, chunk: Chunk
+           ) -> tuple[Any, StepArrays, tuple[Any, ...]] | None:
+    """Stage step b as a graph step in `chunk`: (its graph key, its arrays, (wpages, wcheck,
+    wok)), as `prepare._rest` stages them, or None (nothing staged, `caps` untouched): the
+    step is not one this pass packs, or not a graph step (`_rest` then decides). `arrays`:
+    the step's first part and its events' poisoned rows; `touched`: the pages its events
+    touched (not distinct); `pages`: the pool's (the watch's targets lie below it); the rest
+    as `graphs.block`'s."""
+    from gpu_backend import graphs
+
+    R = b.num_rows
+    if not (prepk.takes(len(b.engine_write)) and prepk.takes(len(touched))
+            and len(arrays) == len(FIRST) + len(ops) and FIRST.issubset(arrays)
+            and graphs.candidate(b, ok, groups) and stale_plan(b, 0, R, "verify") is None
+            and all(kind == "nan" for kind, *_ in ops)):
+        return None
+    W = int(b.q_len[0])
+    plan = _plan_args(planner, R, W)
+    prows = arrays[f"ev{ops[0][1]}"] if len(ops) == 1 else \
+        np.concatenate([arrays[f"ev{a}"] for _, a, *_ in ops]) if ops else _NONE
+    have = caps.get((R, W), (R, W, 0, 0, 0, 0, 0))
+    got = _pack(arrays["app_tok_m"], arrays["app_pos_m"], arrays["tslot"], arrays["true_pos"],
+                b.app_row, b.append_pos, b.qo_indptr, b.kv_indptr, b.last_page_len,
+                arrays["g0_slots"], arrays["g0_limit"], b.kv_indices, prows, touched,
+                b.engine_write, b.write_ok, b.allowed_pages, b.q_len,
+                np.array((pages, b.step, prev, b.page_size, *have[2:6]), np.int64),
+                plan)
+    block, cap, seq, tset, wpages, wcheck, wok = got
+    if not len(block):
+        return None
+    key = caps[(R, W)] = (R, W, int(cap[0]), int(cap[1]), int(cap[2]), int(cap[3]), int(plan[0]))
+    rest = {k: v for k, v in arrays.items() if k not in FIRST}  # the events' rows, in order
+    rest["seq_lens"] = seq
+    if len(touched):
+        rest["touched"] = tset
+    if len(wpages):
+        rest["wpages"] = wpages
+    return key, staged(chunk, key, block, rest), (wpages, int(wcheck), wok)
+
+
+def staged(chunk: Chunk, key: Any, block: np.ndarray, rest: dict[str, np.ndarray]
+           ) -> StepArrays:
+    """The block in `chunk` (one add), its fields' views where `stage` would have put each
+    field's array, then `rest` staged after it, and the block itself as `gblk`."""
+    (_, _, at) = chunk.add(block)
+    *fields, (name, off) = _fields(key)
+    slots: dict[str, Slot] = {n: (shape, strides, at + o) for n, shape, strides, o in fields}
+    slots[name] = ((len(block) - off,), (1,), at + off)
+    slots |= stage(chunk, rest).slots
+    slots["gblk"] = ((len(block),), (1,), at)
+    return StepArrays(chunk, slots)
+
+
+@lru_cache(maxsize=64)
+def _fields(key: Any) -> tuple[Any, ...]:
+    """Graph `key`'s block fields as (array name, shape, strides, offset), the last one
+    (kv_indices, of the step's own length) as (name, offset)."""
+    from gpu_backend import graphs
+
+    R, W = key[0], key[1]
+    out: list[Any] = []
+    for (field, name, _), (off, n) in zip(graphs._FIELDS, graphs.offsets(key).values(),
+                                          strict=True):
+        if field == "kv_indices":
+            out.append((name, off))
+        else:
+            out.append((name, (R, W), (W, 1), off) if name == "g0_limit" else
+                       (name, (n,), (1,), off))
+    return tuple(out)
+
+
+@lru_cache(maxsize=64)
+def _plan_args(planner: fa2plan.Planner, R: int, W: int) -> np.ndarray:
+    """FA2's plan constants for R rows of W queries (`fa2plan.image`'s arguments to `_fill`,
+    the plan's int32 words first), for `_pack`; read-only."""
+    lay = fa2plan.layout(planner, R, W)
+    a = lay.at
+    out = np.array((lay.words, lay.rows, lay.width, lay.tiles_q, lay.max_batch, lay.padded,
+                    lay.min_chunk, lay.max_partial_rows, a["request_indices"] // 4,
+                    a["qo_tile_indices"] // 4, a["kv_tile_indices"] // 4, a["o_indptr"] // 4,
+                    a["kv_chunk_size"] // 4, a["total_num_rows"] // 4, a["merge_indptr"] // 4,
+                    a["block_valid_mask"]), np.int64)
+    out.setflags(write=False)
+    return out
+
+
+@nb.njit(cache=True)
+def _cap(n: int, floor: int) -> int:
+    """`graphs._cap`: the power of two at or above max(n, floor, 1)."""
+    m, c = max(n, floor, 1), 1
+    while c < m:
+        c *= 2
+    return c
+
+
+@nb.njit(cache=True)
+def _field(block: np.ndarray, at: int, a: np.ndarray) -> None:
+    """a's values from block[at], widened to int64 as `Chunk.add` stages them."""
+    for i in range(len(a)):
+        block[at + i] = a[i]
+
+
+@nb.njit(cache=True)
+def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
+          g0_slots, g0_limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step,
+          plan_args):  # pragma: no cover  (compiled; its oracle is `prepare._rest`)
+    """The block of `graphs.offsets`' layout and what `_rest` stages beside it: (block (empty:
+    not a graph step), the capacities [kv_indices, touched, targets, rows], seq_lens, the
+    touched pages distinct, wpages, wcheck, wok). step: [pages in the pool, step, previous
+    step, page size, the key's capacities so far (4)]; plan_args: `_plan_args`."""
+    pages, page_size = step[0], step[3]
+    words = plan_args[0]
+    none = np.zeros(0, np.int64)
+    R = len(last_page_len)
+    W = q_len[0]
+    for r in range(R):
+        if q_len[r] != W:
+            return none, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
+    plan = np.zeros(words, np.int32)
+    pa = plan_args
+    if not fa2plan._fill(kv_indptr, pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], page_size,
+                         pa[8], pa[9], pa[10], pa[11], pa[12], pa[13], pa[14], pa[15], plan):
+        return none, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
+    tset = prepk.distinct(touched) if len(touched) else none
+    wpages, wcheck, wok = prepk.targets(ew, pages, tset, len(touched) > 0, allowed, write_ok)
+    cap = np.empty(4, np.int64)
+    cap[0] = max(step[4], _cap(len(kv_indices), 1))
+    cap[1] = max(step[5], _cap(len(tset), 4 * R))
+    cap[2] = max(step[6], _cap(len(wpages), 4 * R))
+    cap[3] = max(step[7], _cap(len(prows), 16 * R))
+    seq = prepk.seq_lens(kv_indptr, last_page_len, page_size)
+    n = R * W
+    # the fields' lengths in `graphs._FIELDS`' order, kv_indices (last) at its own length
+    sizes = (n, n, n, n, n, n, R + 1, R + 1, R, R, n, 8, cap[1], cap[2], cap[3], words,
+             len(kv_indices))
+    at = np.empty(len(sizes), np.int64)
+    end = 0
+    for i in range(len(sizes)):
+        at[i] = end
+        end += sizes[i] + (-sizes[i] % ALIGN)
+    block = np.zeros(at[-1] + len(kv_indices), np.int64)
+    block[at[0]: at[0] + n] = tok_m.view(np.int64)
+    block[at[1]: at[1] + n] = pos_m.view(np.int64)
+    _field(block, at[2], tslot)
+    _field(block, at[3], true_pos)
+    _field(block, at[4], app_row)
+    _field(block, at[5], append_pos)
+    q0 = qo[0]
+    for r in range(R + 1):
+        block[at[6] + r] = qo[r] - q0
+    _field(block, at[7], kv_indptr)
+    _field(block, at[8], last_page_len)
+    _field(block, at[9], g0_slots)
+    _field(block, at[10], g0_limit.ravel())
+    params = (len(tset), len(wpages), wcheck, step[1], step[2], len(prows))
+    for i in range(6):
+        block[at[11] + i] = params[i]
+    _field(block, at[12], tset)
+    _field(block, at[13], wpages)
+    _field(block, at[14], prows)
+    _field(block, at[15], plan)
+    _field(block, at[16], kv_indices)
+    return block, cap, seq, tset, wpages, wcheck, wok

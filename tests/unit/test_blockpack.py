@@ -1,0 +1,103 @@
+"""gpu_backend/blockpack.py: a graph step's block, packed in one compiled pass, is staged word
+for word and view for view as `prepare._rest` stages it (its oracle), on every step of the
+replay test traces."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from replay_traces import FAULTS, SCENARIOS, named_trace
+
+from gpu_backend import blockpack, prepare
+from gpu_backend.driver import GUARD_PAGES
+from gpu_backend.fa2plan import H200, Planner
+from gpu_backend.prepare import HostState
+from gpu_backend.staging import Chunk
+from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.truthprep import truth_shape
+
+NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
+
+
+def _steps(trace: TraceData) -> list[tuple[Any, ...]]:
+    """Every replayed step prepared into a chunk of its own: (its chunk's words, its views
+    (name -> slot, in order), graph key, wpages, wcheck, wok, touched)."""
+    slots, _, last = truth_shape(trace)
+    st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                   free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+    flight = prepare.in_flight_poison(trace)
+    out = []
+    for s in prepare.replayed(trace):
+        chunk = Chunk("cpu")
+        p = prepare.prepare_step(st, s, trace.rows[s.step], flight, chunk)
+        words = np.concatenate(chunk.parts) if chunk.parts else np.zeros(0, np.int64)
+        out.append((words, list(p.dv.slots.items()), p.graph, p.wpages, p.wcheck, p.wok,
+                    p.touched))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same words, views (in the same order), graph key, target pages and flags with the
+    pass as without it (`prepare.PACK`), and on the big trace the pass packed its graph
+    steps."""
+    trace = load_trace(named_trace(tmp_path, name, 9))
+    monkeypatch.setattr(prepare, "PACK", False)
+    want = _steps(trace)
+    monkeypatch.setattr(prepare, "PACK", True)
+    packed = []
+    real = blockpack.packed
+
+    def counted(*a: Any) -> Any:
+        got = real(*a)
+        packed.append(got is not None)
+        return got
+
+    monkeypatch.setattr(blockpack, "packed", counted)
+    got = _steps(trace)
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want, strict=True):
+        assert g[0].dtype == w[0].dtype and np.array_equal(g[0], w[0])
+        assert g[1] == w[1] and g[2] == w[2] and g[4] == w[4] and g[6] == w[6]
+        for i in (3, 5):  # wpages, wok
+            assert g[i].dtype == w[i].dtype and np.array_equal(g[i], w[i])
+    graph_steps = sum(w[2] is not None for w in want)
+    assert sum(packed) == graph_steps
+    if name == "big":
+        assert graph_steps == len(want) - 1  # every generation step
+
+
+def test_a_step_of_mixed_widths_is_left_to_rest(tmp_path: Path) -> None:
+    """A step whose rows are not all one width is no graph step for the pass: it stages
+    nothing and grows no capacity, and `_rest` stages the step its own way (as when FlashInfer's
+    planner would refuse the page counts)."""
+    trace = load_trace(named_trace(tmp_path, "big", 3))
+    slots, _, last = truth_shape(trace)
+    st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                   free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+    seen: list[Any] = []
+    real = blockpack.packed
+
+    def mixed(caps: Any, b: Any, *a: Any) -> Any:
+        q_len = b.q_len.copy()
+        q_len[-1] += 1
+        chunk = a[-1]
+        before = (dict(caps), chunk.n, len(chunk.parts))
+        got = real(caps, replace(b, q_len=q_len), *a)
+        seen.append((got, before, (dict(caps), chunk.n, len(chunk.parts))))
+        return got
+
+    flight = prepare.in_flight_poison(trace)
+    steps = prepare.replayed(trace)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(blockpack, "packed", mixed)
+        prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, Chunk("cpu"))
+        p = prepare.prepare_step(st, steps[1], trace.rows[steps[1].step], flight, Chunk("cpu"))
+    # the prompts' step's call, then the generation step's
+    assert len(seen) == 2 and all(got is None and before == after for got, before, after in seen)
+    assert p.graph is not None and "gblk" in p.dv.slots  # `_rest`'s own way

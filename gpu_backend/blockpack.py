@@ -1,13 +1,15 @@
-"""A CUDA-graph step's block (`graphs.block`) and the arrays staged beside it, in one compiled
-pass.
+"""A steady MTP step's preparation past its layout and truth slots in one compiled pass: its
+content inputs, the reference's group, and the CUDA graph's block (`graphs.block`) with the
+arrays staged beside it.
 
-Why: at batch 64 x kv 2k the steady step's arrays after its layout (`prepare._rest`: FlashInfer's
-seq_lens, the launch's qo_indptr, the pages the appends target, FA2's plan, the block's padded
-fields, then ~20 staged arrays) took ~130 µs of a ~380 µs preparation on a development machine,
-in ~60 numpy calls and `Chunk.add`s of a few µs each. Here the block is one int64 array written
-field by field, staged with one `Chunk.add`: the same words at the same offsets, the same
-views (`staged`). `prepare._rest`'s way stays as the oracle (tests/unit/test_blockpack.py
-holds every step of the benchmark traces to its words and views).
+Why: at batch 64 x kv 2k that part of a generation step (`prepare._first` past the slots, and
+`_rest`: FlashInfer's seq_lens, the launch's qo_indptr, the pages the appends target, FA2's
+plan, the block's padded fields, then ~20 staged arrays) took ~170 µs of a ~380 µs
+preparation on a development machine, in ~70 numpy calls and `Chunk.add`s of a few µs each.
+Here the block is one int64 array written field by field and staged with one `Chunk.add`: the
+same words at the same offsets, the same views (`staged`). `prepare`'s own way stays as the
+oracle (tests/unit/test_blockpack.py holds every step of the replay test traces to its words,
+views and groups).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import numpy as np
 
 from gpu_backend import fa2plan, prepk
 from gpu_backend.layout import StepBatch, stale_plan
+from gpu_backend.pool import M
+from gpu_backend.refgroups import RefGroup
 from gpu_backend.staging import ALIGN, Chunk, Slot, StepArrays, stage
 from sim.jit_cache import drop_stale
 
@@ -26,27 +30,30 @@ drop_stale(__file__)
 
 import numba as nb  # noqa: E402
 
-# the arrays the step's first part stages (`prepare._first`) for a graph step, all fields
-FIRST = frozenset(("app_tok_m", "app_pos_m", "tslot", "true_pos", "g0_limit", "g0_slots"))
 _NONE = np.zeros(0, dtype=np.int64)
 
+def steady(b: StepBatch) -> bool:
+    """Whether step b has the steady MTP step's shape that `packed` takes (it checks the rest):
+    FA2, one verify launch over every row, its queries its appends, planned for itself, short
+    enough for the compiled passes."""
+    runs = b.runs
+    return (b.backend == "fa2" and len(runs) == 1 and runs[0][2] == "verify"
+            and b.num_tokens == len(b.app_tokens) and prepk.takes(len(b.engine_write))
+            and stale_plan(b, 0, b.num_rows, "verify") is None)
 
-def packed(caps: dict[tuple[int, int], Any], b: StepBatch, arrays: dict[str, np.ndarray],
-           ops: list[Any], touched: np.ndarray, prev: int, ok: bool, groups: list[Any],
-           planner: fa2plan.Planner, pages: int, chunk: Chunk
-           ) -> tuple[Any, StepArrays, tuple[Any, ...]] | None:
-    """Stage step b as a graph step in `chunk`: (its graph key, its arrays, (wpages, wcheck,
-    wok)), as `prepare._rest` stages them, or None (nothing staged, `caps` untouched): the
-    step is not one this pass packs, or not a graph step (`_rest` then decides). `arrays`:
-    the step's first part and its events' poisoned rows; `touched`: the pages its events
-    touched (not distinct); `pages`: the pool's (the watch's targets lie below it); the rest
-    as `graphs.block`'s."""
-    from gpu_backend import graphs
 
+def packed(caps: dict[tuple[int, int], Any], b: StepBatch, slots: np.ndarray,
+           arrays: dict[str, np.ndarray], ops: list[Any], touched: np.ndarray, prev: int,
+           planner: fa2plan.Planner, pages: int, rope_rows: int | None, chunk: Chunk
+           ) -> tuple[Any, StepArrays, tuple[Any, ...], RefGroup] | None:
+    """Stage `steady` step b as a graph step in `chunk`: (its graph key, its arrays, (wpages,
+    wcheck, wok), the reference's one group), as `prepare._first` and `_rest` stage them, or
+    None (nothing staged, `caps` untouched): not a graph step (`prepare` then takes it its own
+    way). `slots`: its rows' truth slots (`truthprep.admit`, no prefix to fill); `arrays`:
+    its events' poisoned rows; `touched`: the pages the events touched (not distinct);
+    `pages`: the pool's (the watch's targets lie below it); `prev`: the step prepared before."""
     R = b.num_rows
-    if not (prepk.takes(len(b.engine_write)) and prepk.takes(len(touched))
-            and len(arrays) == len(FIRST) + len(ops) and FIRST.issubset(arrays)
-            and graphs.candidate(b, ok, groups) and stale_plan(b, 0, R, "verify") is None
+    if not (R and prepk.takes(len(touched)) and len(arrays) == len(ops)
             and all(kind == "nan" for kind, *_ in ops)):
         return None
     W = int(b.q_len[0])
@@ -54,23 +61,25 @@ def packed(caps: dict[tuple[int, int], Any], b: StepBatch, arrays: dict[str, np.
     prows = arrays[f"ev{ops[0][1]}"] if len(ops) == 1 else \
         np.concatenate([arrays[f"ev{a}"] for _, a, *_ in ops]) if ops else _NONE
     have = caps.get((R, W), (R, W, 0, 0, 0, 0, 0))
-    got = _pack(arrays["app_tok_m"], arrays["app_pos_m"], arrays["tslot"], arrays["true_pos"],
-                b.app_row, b.append_pos, b.qo_indptr, b.kv_indptr, b.last_page_len,
-                arrays["g0_slots"], arrays["g0_limit"], b.kv_indices, prows, touched,
-                b.engine_write, b.write_ok, b.allowed_pages, b.q_len,
-                np.array((pages, b.step, prev, b.page_size, *have[2:6]), np.int64),
-                plan)
-    block, cap, seq, tset, wpages, wcheck, wok = got
+    got = _steady(b.app_tokens, b.app_rope, b.rope_pos, b.true_pos, b.committed, slots,
+                  b.app_row, b.append_pos, b.qo_indptr, b.kv_indptr, b.last_page_len,
+                  b.kv_indices, prows, touched, b.engine_write, b.write_ok, b.allowed_pages,
+                  b.q_len, np.array((pages, b.step, prev, b.page_size, *have[2:6],
+                                     -1 if rope_rows is None else rope_rows, M), np.int64),
+                  plan)
+    block, cap, seq, tset, wpages, wcheck, wok, top, consecutive, low = got
     if not len(block):
         return None
     key = caps[(R, W)] = (R, W, int(cap[0]), int(cap[1]), int(cap[2]), int(cap[3]), int(plan[0]))
-    rest = {k: v for k, v in arrays.items() if k not in FIRST}  # the events' rows, in order
+    rest = dict(arrays)  # the events' rows, in order
     rest["seq_lens"] = seq
     if len(touched):
         rest["touched"] = tset
     if len(wpages):
         rest["wpages"] = wpages
-    return key, staged(chunk, key, block, rest), (wpages, int(wcheck), wok)
+    group = RefGroup("g0_", R, W, int(top), int(slots[0]) if consecutive else -1, int(low),
+                     True, (0, R * W))
+    return key, staged(chunk, key, block, rest), (wpages, int(wcheck), wok), group
 
 
 def staged(chunk: Chunk, key: Any, block: np.ndarray, rest: dict[str, np.ndarray]
@@ -136,9 +145,35 @@ def _field(block: np.ndarray, at: int, a: np.ndarray) -> None:
 
 
 @nb.njit(cache=True)
+def _steady(tokens, app_rope, rope_pos, true_pos, committed, slots, app_row, append_pos, qo,
+            kv_indptr, last_page_len, kv_indices, prows, touched, ew, write_ok, allowed, q_len,
+            step, plan_args):  # pragma: no cover  (compiled; its oracle is `prepare`'s way)
+    """The step's content inputs (`prepk.content`), the reference's identity group
+    (`prepk.identity_group`), then `_pack`: its outputs, then the group's (top, consecutive,
+    low). Not a graph step (an empty block): the engine's RoPE positions are not the truth's,
+    or one is past the RoPE table. step: `_pack`'s, then the RoPE table's rows (-1: none) and
+    M."""
+    tok_m, pos_m, top, same = prepk.content(tokens, app_rope, rope_pos, true_pos, step[9])
+    W = q_len[0]
+    limit, consecutive, gtop, low = prepk.identity_group(committed, slots, W)
+    if not same or (step[8] >= 0 and top >= step[8]):
+        none = np.zeros(0, np.int64)
+        return (none, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_), gtop,
+                consecutive, low)
+    tslot = np.empty(len(slots) * W, np.int64)
+    for r in range(len(slots)):
+        for j in range(W):
+            tslot[r * W + j] = slots[r]
+    block, cap, seq, tset, wpages, wcheck, wok = _pack(
+        tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
+        slots, limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step, plan_args)
+    return block, cap, seq, tset, wpages, wcheck, wok, gtop, consecutive, low
+
+
+@nb.njit(cache=True)
 def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
           g0_slots, g0_limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step,
-          plan_args):  # pragma: no cover  (compiled; its oracle is `prepare._rest`)
+          plan_args):  # pragma: no cover  (compiled; its oracle is `prepare._rest`'s)
     """The block of `graphs.offsets`' layout and what `_rest` stages beside it: (block (empty:
     not a graph step), the capacities [kv_indices, touched, targets, rows], seq_lens, the
     touched pages distinct, wpages, wcheck, wok). step: [pages in the pool, step, previous

@@ -41,8 +41,8 @@ CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host mem
 # measured so far) that only hides the device's share: a wash end to end on the H200 (docs/gpu.md
 # round 11); it pays once preparation is faster than the device
 CHUNK_STEPS = 8
-# a graph step's arrays past its first part in one compiled pass (`blockpack`); False: numpy
-# and one `Chunk.add` an array (`_rest`'s own way, the pass's oracle)
+# a steady MTP step past its truth slots in one compiled pass (`blockpack`); False: `_first`,
+# `_advance` and `_rest`, numpy and one `Chunk.add` an array (the pass's oracle)
 PACK = True
 
 
@@ -175,7 +175,14 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     ops, touched = _events(st, s, flight, arrays)
     b = _batch(st, s, rows)
     first: dict[str, np.ndarray] = {}  # what the content and the reference read
-    fill, eng_nan, same, groups = _first(st, b, first)
+    if not defer and st.graphs is not None and PACK and blockpack.steady(b):
+        slots, fill = truthprep.admit(st, b, first)
+        p = None if fill else _packed(st, s, rows, b, slots, arrays, ops, touched, chunk)
+        if p is not None:
+            return p
+        fill, eng_nan, same, groups = (fill, *_content_reference(st, b, slots, first))
+    else:
+        fill, eng_nan, same, groups = _first(st, b, first)
     q_identity = b.num_tokens == len(b.app_tokens)
     ok = not fill and not eng_nan and same and q_identity  # a CUDA graph could replay it
     prev = _advance(st, b)
@@ -301,8 +308,6 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     """The step's arrays past the content's and the reference's, staged in `chunk` into p:
     the kernels' inputs, the pages its events touched and its appends target, its graph."""
     b = p.b
-    if st.graphs is not None and PACK and _packed(st, touched, arrays, prev, ok, chunk, p):
-        return
     arrays |= _step_arrays(b) | run_arrays(b)
     tset = distinct(touched) if len(touched) else None
     if tset is not None:
@@ -319,19 +324,22 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
         graphs.span(dv)
 
 
-def _packed(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], prev: int,
-            ok: bool, chunk: Chunk, p: Prepared) -> bool:
-    """`_rest` of a graph step in one compiled pass (`blockpack`): the same words and views.
-    False: not such a step, nothing staged."""
+def _packed(st: HostState, s: StepRecord, rows: list[RowRecord], b: StepBatch,
+            slots: np.ndarray, arrays: dict[str, np.ndarray], ops: list[PoolOp],
+            touched: np.ndarray, chunk: Chunk) -> Prepared | None:
+    """A `blockpack.steady` step past its truth slots in one compiled pass: what `_first`
+    (past the slots), `_advance` and `_rest` make of it, the same words and views. None: not a
+    graph step, nothing staged and the host state as it was."""
     assert st.graphs is not None
-    got = blockpack.packed(st.graph_caps, p.b, arrays, p.ops, touched, prev, ok, p.groups,
-                           st.graphs, st.trace.model.num_blocks + 2 * st.guard, chunk)
+    got = blockpack.packed(st.graph_caps, b, slots, arrays, ops, touched, st.prev_step,
+                           st.graphs, st.trace.model.num_blocks + 2 * st.guard, st.rope_rows,
+                           chunk)
     if got is None:
-        return False
-    p.graph, dv, (p.wpages, p.wcheck, p.wok) = got
-    p.touched = len(touched) > 0
-    p.dv = Joined(p.dv, dv) if len(p.dv) else dv
-    return True
+        return None
+    key, dv, (wpages, wcheck, wok), group = got
+    _advance(st, b)
+    return Prepared(s, rows, b, dv, ops, len(touched) > 0, False, False, True, True, [group],
+                    wpages, wcheck, wok, key)
 
 
 def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,

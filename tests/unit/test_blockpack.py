@@ -1,6 +1,6 @@
-"""gpu_backend/blockpack.py: a graph step's block, packed in one compiled pass, is staged word
-for word and view for view as `prepare._rest` stages it (its oracle), on every step of the
-replay test traces."""
+"""gpu_backend/blockpack.py: a steady step past its truth slots, in one compiled pass, is
+staged word for word and view for view as `prepare`'s own way stages it (its oracle), with the
+same groups, flags and host state, on every step of the replay test traces."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
 
 def _steps(trace: TraceData) -> list[tuple[Any, ...]]:
     """Every replayed step prepared into a chunk of its own: (its chunk's words, its views
-    (name -> slot, in order), graph key, wpages, wcheck, wok, touched)."""
+    (name -> slot, in order), graph key, wpages, wcheck, wok, then its other fields), then the
+    host state after the last one."""
     slots, _, last = truth_shape(trace)
     st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
                    free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
@@ -36,16 +37,20 @@ def _steps(trace: TraceData) -> list[tuple[Any, ...]]:
         p = prepare.prepare_step(st, s, trace.rows[s.step], flight, chunk)
         words = np.concatenate(chunk.parts) if chunk.parts else np.zeros(0, np.int64)
         out.append((words, list(p.dv.slots.items()), p.graph, p.wpages, p.wcheck, p.wok,
-                    p.touched))
+                    p.touched, p.ops, p.groups, p.fill, p.engine_nan, p.truth_same,
+                    p.q_identity, p.deferred))
+    # the host state the steps leave
+    out.append((st.prev_step, st.slot, st.free, st.shared, st.held is None, st.graph_caps))
     return out
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same words, views (in the same order), graph key, target pages and flags with the
-    pass as without it (`prepare.PACK`), and on the big trace the pass packed its graph
-    steps."""
+    """The same words, views (in the same order), graph key, target pages, pool operations,
+    reference groups and flags with the pass as without it (`prepare.PACK`), the same host state
+    after the last step, and the pass packed every graph step (on the big trace, every
+    generation step)."""
     trace = load_trace(named_trace(tmp_path, name, 9))
     monkeypatch.setattr(prepare, "PACK", False)
     want = _steps(trace)
@@ -60,22 +65,22 @@ def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
 
     monkeypatch.setattr(blockpack, "packed", counted)
     got = _steps(trace)
-    assert len(got) == len(want) > 0
-    for g, w in zip(got, want, strict=True):
+    assert len(got) == len(want) > 1 and got[-1] == want[-1]
+    for g, w in zip(got[:-1], want[:-1], strict=True):
         assert g[0].dtype == w[0].dtype and np.array_equal(g[0], w[0])
-        assert g[1] == w[1] and g[2] == w[2] and g[4] == w[4] and g[6] == w[6]
+        assert g[1] == w[1] and g[2] == w[2] and g[4] == w[4] and g[6:] == w[6:]
         for i in (3, 5):  # wpages, wok
             assert g[i].dtype == w[i].dtype and np.array_equal(g[i], w[i])
-    graph_steps = sum(w[2] is not None for w in want)
+    graph_steps = sum(w[2] is not None for w in want[:-1])
     assert sum(packed) == graph_steps
     if name == "big":
-        assert graph_steps == len(want) - 1  # every generation step
+        assert graph_steps == len(want) - 2  # every generation step
 
 
-def test_a_step_of_mixed_widths_is_left_to_rest(tmp_path: Path) -> None:
+def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path) -> None:
     """A step whose rows are not all one width is no graph step for the pass: it stages
-    nothing and grows no capacity, and `_rest` stages the step its own way (as when FlashInfer's
-    planner would refuse the page counts)."""
+    nothing and grows no capacity, and `prepare` stages the step its own way (as when
+    FlashInfer's planner would refuse the page counts)."""
     trace = load_trace(named_trace(tmp_path, "big", 3))
     slots, _, last = truth_shape(trace)
     st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
@@ -98,6 +103,5 @@ def test_a_step_of_mixed_widths_is_left_to_rest(tmp_path: Path) -> None:
         m.setattr(blockpack, "packed", mixed)
         prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, Chunk("cpu"))
         p = prepare.prepare_step(st, steps[1], trace.rows[steps[1].step], flight, Chunk("cpu"))
-    # the prompts' step's call, then the generation step's
-    assert len(seen) == 2 and all(got is None and before == after for got, before, after in seen)
-    assert p.graph is not None and "gblk" in p.dv.slots  # `_rest`'s own way
+    assert len(seen) == 1 and seen[0][0] is None and seen[0][1] == seen[0][2]  # the gen step
+    assert p.graph is not None and "gblk" in p.dv.slots  # `prepare`'s own way

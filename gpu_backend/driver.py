@@ -35,7 +35,6 @@ import gc
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing, contextmanager
-from itertools import islice
 from typing import Protocol
 
 import torch
@@ -77,7 +76,6 @@ BANK = 128  # steps the loop's own preparation may get ahead while the host woul
 # device (`Ahead`): a long step's device time (the prompts' step, ~29 ms at batch 64 x kv 2k on
 # the H200) then goes to preparing the steps after it instead of to a sync
 BANK_WORDS = 1 << 25  # ... and int64 words of their chunks (256 MiB pinned, as much on the device)
-BURST = 1  # steps the loop prepares back to back once it has none prepared (1: one at a time)
 # the replay's freed memory is not handed back to the system at its end (`sim.heap.kept`): the
 # trim took 0.9-1.6 ms of the wall on the H200's host, after the device had finished (round 32);
 # the process keeps the memory for its next use
@@ -202,9 +200,6 @@ class Ahead:
     def next(self) -> Prepared | None:
         if not self.banked:
             self.words = 0
-            if BURST > 1:  # this step and the BURST - 1 after it, prepared back to back
-                self.banked.extend(islice(self.steps, BURST))
-                return self.banked.popleft() if self.banked else None
             return next(self.steps, None)
         return self.banked.popleft()
 

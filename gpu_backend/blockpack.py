@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from gpu_backend import fa2plan, prepk
+from gpu_backend import fa2plan, graphs, prepk
 from gpu_backend.layout import StepBatch, stale_plan
 from gpu_backend.pool import M
 from gpu_backend.refgroups import RefGroup
@@ -31,6 +31,7 @@ drop_stale(__file__)
 import numba as nb  # noqa: E402
 
 _NONE = np.zeros(0, dtype=np.int64)
+
 
 def steady(b: StepBatch) -> bool:
     """Whether step b has the steady MTP step's shape that `packed` takes (it checks the rest):
@@ -99,8 +100,6 @@ def staged(chunk: Chunk, key: Any, block: np.ndarray, rest: dict[str, np.ndarray
 def _fields(key: Any) -> tuple[Any, ...]:
     """Graph `key`'s block fields as (array name, shape, strides, offset), the last one
     (kv_indices, of the step's own length) as (name, offset)."""
-    from gpu_backend import graphs
-
     R, W = key[0], key[1]
     out: list[Any] = []
     for (field, name, _), (off, n) in zip(graphs._FIELDS, graphs.offsets(key).values(),

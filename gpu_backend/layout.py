@@ -349,3 +349,33 @@ def run_arrays(b: StepBatch) -> dict[str, np.ndarray]:
     """Per launch run i: its qo_indptr from 0 (`run{i}_qo`), for the planners."""
     return {f"run{i}_qo": b.qo_indptr[s: e + 1] - b.qo_indptr[s]
             for i, (s, e, _) in enumerate(launch_runs(b))}
+
+
+def kernel_arrays(b: StepBatch) -> dict[str, np.ndarray]:
+    """The kernels' inputs (`device_arrays` + seq_lens; the truth's are
+    `prepare.prepare_step`'s)."""
+    from gpu_backend import prepk  # numba: loaded where a replay prepares, as `flatten`
+
+    out = device_arrays(b)
+    seq = [("seq_lens", b.kv_indptr, b.last_page_len)]
+    if b.backend == "xqa":
+        seq.append(("xqa_seq_lens", b.xqa_indptr, b.xqa_last_page_len))
+    for name, indptr, last in seq:  # FlashInfer's get_seq_lens
+        out[name] = prepk.seq_lens(indptr, last, b.page_size) if prepk.ENABLED else \
+            np.maximum(np.diff(indptr) - 1, 0) * b.page_size + last
+    return out
+
+
+def device_arrays(b: StepBatch) -> dict[str, np.ndarray]:
+    """The arrays the kernels read (the truth's true_pos is `prepare.prepare_step`'s). Not the
+    tokens and positions themselves: the content reads them mod M (`truthprep.content_arrays`),
+    and a 64 x 2k prompts' step staged 5 x 131k words of them (tokens, rope_pos, row_of_token,
+    app_tokens, app_rope) that nothing read. The block table and the kv lengths only for XQA,
+    the one backend whose launches read them (`replay._xqa`, `_attend`): a generation step
+    staged five arrays (two empty) that nothing read."""
+    out = {"append_pos": b.append_pos, "app_row": b.app_row, "kv_indices": b.kv_indices,
+           "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len}
+    if b.backend == "xqa":
+        out |= {"block_table": b.block_table, "kv_len": b.kv_len, "xqa_indptr": b.xqa_indptr,
+                "xqa_indices": b.xqa_indices, "xqa_last_page_len": b.xqa_last_page_len}
+    return out

@@ -26,7 +26,7 @@ from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool, in_fligh
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
 from gpu_backend.intsets import unique
-from gpu_backend.layout import StepBatch, build_step, run_arrays
+from gpu_backend.layout import StepBatch, build_step, kernel_arrays, run_arrays
 from gpu_backend.promptbatch import prompts_batch, token_rows
 from gpu_backend.refgroups import RefGroup, ref_groups
 from gpu_backend.staging import Chunk, FromRows, Joined, StepArrays, stage
@@ -180,7 +180,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
         p = None if fill else _packed(st, s, rows, b, slots, arrays, ops, touched, chunk)
         if p is not None:
             return p
-        fill, eng_nan, same, groups = (fill, *_content_reference(st, b, slots, first))
+        eng_nan, same, groups = _content_reference(st, b, slots, first)
     else:
         fill, eng_nan, same, groups = _first(st, b, first)
     q_identity = b.num_tokens == len(b.app_tokens)
@@ -308,7 +308,7 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
     """The step's arrays past the content's and the reference's, staged in `chunk` into p:
     the kernels' inputs, the pages its events touched and its appends target, its graph."""
     b = p.b
-    arrays |= _step_arrays(b) | run_arrays(b)
+    arrays |= kernel_arrays(b) | run_arrays(b)
     tset = distinct(touched) if len(touched) else None
     if tset is not None:
         arrays["touched"] = tset
@@ -396,30 +396,3 @@ def _pool_ops(st: HostState, ops: list[PoolOp], touched: np.ndarray,
         return ops, touched
     arrays["ev-1"] = rej_rows
     return [("nan", -1, 0, 0), *ops], touched
-
-
-def _step_arrays(b: StepBatch) -> dict[str, np.ndarray]:
-    """The kernels' inputs (`device_arrays` + seq_lens; the truth's are `prepare_step`'s)."""
-    out = device_arrays(b)
-    seq = [("seq_lens", b.kv_indptr, b.last_page_len)]
-    if b.backend == "xqa":
-        seq.append(("xqa_seq_lens", b.xqa_indptr, b.xqa_last_page_len))
-    for name, indptr, last in seq:  # FlashInfer's get_seq_lens
-        out[name] = prepk.seq_lens(indptr, last, b.page_size) if prepk.ENABLED else \
-            np.maximum(np.diff(indptr) - 1, 0) * b.page_size + last
-    return out
-
-
-def device_arrays(b: StepBatch) -> dict[str, np.ndarray]:
-    """The arrays the kernels read (the truth's true_pos is `prepare_step`'s). Not the tokens
-    and positions themselves: the content reads them mod M (`truthprep.content_arrays`), and a
-    64 x 2k prompts' step staged 5 x 131k words of them (tokens, rope_pos, row_of_token,
-    app_tokens, app_rope) that nothing read. The block table and the kv lengths only for XQA,
-    the one backend whose launches read them (`replay._xqa`, `_attend`): a generation step
-    staged five arrays (two empty) that nothing read."""
-    out = {"append_pos": b.append_pos, "app_row": b.app_row, "kv_indices": b.kv_indices,
-           "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len}
-    if b.backend == "xqa":
-        out |= {"block_table": b.block_table, "kv_len": b.kv_len, "xqa_indptr": b.xqa_indptr,
-                "xqa_indices": b.xqa_indices, "xqa_last_page_len": b.xqa_last_page_len}
-    return out

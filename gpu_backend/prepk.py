@@ -128,7 +128,7 @@ def identity_group(committed: np.ndarray, slots: np.ndarray, W: int
 @nb.njit(cache=True)
 def seq_lens(indptr: np.ndarray, last_page_len: np.ndarray, B: int) -> np.ndarray:
     """FlashInfer's `get_seq_lens`: (pages - 1) * B + the last page's tokens, per row (int32,
-    as `prepare._step_arrays`' numpy gave it)."""
+    as `layout.kernel_arrays`' numpy gave it)."""
     R = len(last_page_len)
     out = np.empty(R, np.int32)
     for r in range(R):

@@ -214,7 +214,7 @@ class FlashInferKernels:
              e: int, kind: str, qr: torch.Tensor, indices: torch.Tensor, kv_indptr: torch.Tensor,
              lpl: torch.Tensor, seq: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """seq: the kv lengths FlashInfer's get_seq_lens would compute from kv_indptr and lpl,
-        from pinned memory (prepare._step_arrays)."""
+        from pinned memory (layout.kernel_arrays)."""
         hq, hkv, d, B = self.num_q_heads, pool.data.shape[3], pool.data.shape[4], b.page_size
         dt = pool.data.dtype
         if kind == "decode" and b.backend != "fa3":

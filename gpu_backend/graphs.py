@@ -54,7 +54,9 @@ from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.staging import ALIGN, StepArrays
 
 # the block's fields in order: (field, the step's array staged for it, how the kernels read it:
-# "f" float64, "i" int64, "w" int32); "g0_" is the reference's one group (`refgroups.RefGroup`)
+# "f" float64, "i" int64, "w" int32); "g0_" is the reference's one group (`refgroups.RefGroup`).
+# `blockpack._pack` writes the same layout in its compiled pass (tests/unit/test_blockpack.py
+# holds the two to the same words)
 _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("tslot", "tslot", "i"), ("true_pos", "true_pos", "i"), ("app_row", "app_row", "w"),
            ("append_pos", "append_pos", "w"), ("qo", "run0_qo", "w"),

@@ -5,7 +5,8 @@ device work (pure numpy) and staged in chunks of steps, one pinned upload each:
 - the flat kernel inputs (`layout.build_step`, with the shared blocks from the events' refcounts);
 - the truth store's slots (admission, release) and prefix fills, and the content inputs (token
   and position mod M as float64, the RoPE-overrun NaN mask): `truthprep`;
-- the fp32 reference's index arrays (`refgroups.RefGroup`), the rewind's pool rows.
+- the fp32 reference's index arrays (`refgroups.RefGroup`), the rewind's pool rows;
+- a steady MTP step, past its layout and truth slots, in one compiled pass (`blockpack`).
 
 The step loop (`driver.replay`) then only launches device work: no numpy, no host-device syncs.
 """

@@ -281,17 +281,13 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
 
 def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
                    B: int, guard: int) -> dict[str, np.ndarray]:
-    global _run
-    if _run is None:  # numba loads where a replay prepares, not where a layout is imported
-        from gpu_backend.flatten import run as _run
-    out = _run(c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"], c["tokens"],
-               c["committed"], c["alloc"], c["alloc_len"], c["shared_blocks"], c["is_gen"],
-               c["new_tokens"], indptr, ind, np.sort(shared) if len(shared) > 1 else shared, B,
-               guard, TAIL)
+    from gpu_backend.flatten import run
+
+    out = run(c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"], c["tokens"],
+              c["committed"], c["alloc"], c["alloc_len"], c["shared_blocks"], c["is_gen"],
+              c["new_tokens"], indptr, ind, np.sort(shared) if len(shared) > 1 else shared, B,
+              guard, TAIL)
     return dict(zip(_FLAT, out, strict=True))
-
-
-_run: Any = None  # `gpu_backend.flatten.run`, once `_flat_compiled` has imported it
 
 
 def _flat_numpy(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,

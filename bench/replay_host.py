@@ -75,7 +75,7 @@ from sim import heap  # noqa: E402
 
 def _host_load(self: staging.Chunk, h64: Any) -> None:
     """`Chunk.load` without the device: the host words only (see the module's docstring)."""
-    self.bufs, self.parts = {"h64": h64}, []
+    self.bufs, self.parts, self.h64, self.host = {"h64": h64}, [], None, None
 
 
 def _state(trace: TraceData) -> prepare.HostState:

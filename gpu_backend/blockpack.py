@@ -53,46 +53,73 @@ def packed(caps: dict[tuple[int, int], Any], b: StepBatch, slots: np.ndarray,
     way). `slots`: its rows' truth slots (`truthprep.admit`, no prefix to fill); `arrays`:
     its events' poisoned rows; `touched`: the pages the events touched (not distinct);
     `pages`: the pool's (the watch's targets lie below it); `prev`: the step prepared before."""
-    R = b.num_rows
+    R = len(slots)
     if not (R and prepk.takes(len(touched)) and len(arrays) == len(ops)
-            and all(kind == "nan" for kind, *_ in ops)):
+            and all(op[0] == "nan" for op in ops)):
         return None
     W = int(b.q_len[0])
     plan = _plan_args(planner, R, W)
     prows = arrays[f"ev{ops[0][1]}"] if len(ops) == 1 else \
-        np.concatenate([arrays[f"ev{a}"] for _, a, *_ in ops]) if ops else _NONE
+        np.concatenate([arrays[f"ev{op[1]}"] for op in ops]) if ops else _NONE
     have = caps.get((R, W), (R, W, 0, 0, 0, 0, 0))
-    got = _steady(b.app_tokens, b.app_rope, b.rope_pos, b.true_pos, b.committed, slots,
-                  b.app_row, b.append_pos, b.qo_indptr, b.kv_indptr, b.last_page_len,
-                  b.kv_indices, prows, touched, b.engine_write, b.write_ok, b.allowed_pages,
-                  b.q_len, np.array((pages, b.step, prev, b.page_size, *have[2:6],
-                                     -1 if rope_rows is None else rope_rows, M), np.int64),
-                  plan)
-    block, cap, seq, tset, wpages, wcheck, wok, top, consecutive, low = got
-    if not len(block):
-        return None
-    key = caps[(R, W)] = (R, W, int(cap[0]), int(cap[1]), int(cap[2]), int(cap[3]), int(plan[0]))
+    n = len(b.app_tokens)
+    args = (b.app_tokens, b.app_rope, b.rope_pos, b.true_pos, b.committed, slots, b.app_row,
+            b.append_pos, b.qo_indptr, b.kv_indptr, b.last_page_len, b.kv_indices, prows,
+            touched, b.engine_write, b.write_ok, b.allowed_pages, b.q_len,
+            np.array((pages, b.step, prev, b.page_size, *have[2:6],
+                      -1 if rope_rows is None else rope_rows, M), np.int64), plan)
+    start = chunk.n
+    # the block written where the chunk stages it (`Chunk.claim`)
+    at, room = chunk.claim(_most(len(b.kv_indices), int(plan[0]), n, R, have, len(touched),
+                                 len(prows)))
+    got = _steady(*args, room)
+    size, cap, seq, tset, wpages, wcheck, wok, top, consecutive, low = got
+    if not size or size > len(room):  # not a graph step (or a bound too low: not written)
+        chunk.trim(start)
+        if not size:
+            return None
+        at, room = chunk.claim(size)
+        got = _steady(*args, room)
+        size, cap, seq, tset, wpages, wcheck, wok, top, consecutive, low = got
+    chunk.trim(at + size)
+    key = caps[(R, W)] = (R, W, *cap.tolist(), int(plan[0]))
     rest = dict(arrays)  # the events' rows, in order
     rest["seq_lens"] = seq
     if len(touched):
         rest["touched"] = tset
     if len(wpages):
         rest["wpages"] = wpages
-    group = RefGroup("g0_", R, W, int(top), int(slots[0]) if consecutive else -1, int(low),
-                     True, (0, R * W))
-    return key, staged(chunk, key, block, rest), (wpages, int(wcheck), wok), group
+    group = _group(R, W, top, int(slots[0]) if consecutive else -1, low)
+    return key, staged(chunk, key, at, size, rest), (wpages, wcheck, wok), group
 
 
-def staged(chunk: Chunk, key: Any, block: np.ndarray, rest: dict[str, np.ndarray]
+def _group(R: int, W: int, top: int, s0: int, low: int) -> RefGroup:
+    """RefGroup("g0_", R, W, top, s0, low, True, (0, R * W)) without the frozen dataclass's
+    __init__ (~4 µs a step; as `layout._new_batch`)."""
+    g = object.__new__(RefGroup)
+    g.__dict__.update(pre="g0_", R=R, W=W, L=top, s0=s0, lo=low, identity=True,
+                      span=(0, R * W), ragged=False)
+    return g
+
+
+def _most(pages: int, plan: int, n: int, R: int, have: Any, touched: int, prows: int) -> int:
+    """The most words the block of a step can take (`_pack`'s sizes, each field padded): its
+    distinct touched pages are at most `touched`, its target pages at most its `n` appends."""
+    return (pages + plan + 7 * n + 4 * R + 8 + 17 * ALIGN
+            + max(have[3], graphs._cap(touched, 4 * R)) + max(have[4], graphs._cap(n, 4 * R))
+            + max(have[5], graphs._cap(prows, 16 * R)))
+
+
+def staged(chunk: Chunk, key: Any, at: int, size: int, rest: dict[str, np.ndarray]
            ) -> StepArrays:
-    """The block in `chunk` (one add), its fields' views where `stage` would have put each
-    field's array, then `rest` staged after it, and the block itself as `gblk`."""
-    (_, _, at) = chunk.add(block)
+    """The views of the block of `size` words at `at` in `chunk`, its fields' where `stage`
+    would have put each field's array, then `rest` staged after it, and the block itself as
+    `gblk`."""
     *fields, (name, off) = _fields(key)
     slots: dict[str, Slot] = {n: (shape, strides, at + o) for n, shape, strides, o in fields}
-    slots[name] = ((len(block) - off,), (1,), at + off)
+    slots[name] = ((size - off,), (1,), at + off)
     slots |= stage(chunk, rest).slots
-    slots["gblk"] = ((len(block),), (1,), at)
+    slots["gblk"] = ((size,), (1,), at)
     return StepArrays(chunk, slots)
 
 
@@ -146,37 +173,39 @@ def _field(block: np.ndarray, at: int, a: np.ndarray) -> None:
 @nb.njit(cache=True)
 def _steady(tokens, app_rope, rope_pos, true_pos, committed, slots, app_row, append_pos, qo,
             kv_indptr, last_page_len, kv_indices, prows, touched, ew, write_ok, allowed, q_len,
-            step, plan_args):  # pragma: no cover  (compiled; its oracle is `prepare`'s way)
+            step, plan_args, room):  # pragma: no cover  (compiled; its oracle is `prepare`'s)
     """The step's content inputs (`prepk.content`), the reference's identity group
     (`prepk.identity_group`), then `_pack`: its outputs, then the group's (top, consecutive,
-    low). Not a graph step (an empty block): the engine's RoPE positions are not the truth's,
-    or one is past the RoPE table. step: `_pack`'s, then the RoPE table's rows (-1: none) and
-    M."""
+    low). Not a graph step (a block of 0 words): the engine's RoPE positions are not the
+    truth's, or one is past the RoPE table. step: `_pack`'s, then the RoPE table's rows (-1:
+    none) and M; room: where `_pack` writes the block."""
     tok_m, pos_m, top, same = prepk.content(tokens, app_rope, rope_pos, true_pos, step[9])
     W = q_len[0]
     limit, consecutive, gtop, low = prepk.identity_group(committed, slots, W)
     if not same or (step[8] >= 0 and top >= step[8]):
         none = np.zeros(0, np.int64)
-        return (none, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_), gtop,
+        return (0, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_), gtop,
                 consecutive, low)
     tslot = np.empty(len(slots) * W, np.int64)
     for r in range(len(slots)):
         for j in range(W):
             tslot[r * W + j] = slots[r]
-    block, cap, seq, tset, wpages, wcheck, wok = _pack(
+    size, cap, seq, tset, wpages, wcheck, wok = _pack(
         tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
-        slots, limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step, plan_args)
-    return block, cap, seq, tset, wpages, wcheck, wok, gtop, consecutive, low
+        slots, limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step, plan_args,
+        room)
+    return size, cap, seq, tset, wpages, wcheck, wok, gtop, consecutive, low
 
 
 @nb.njit(cache=True)
 def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
           g0_slots, g0_limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step,
-          plan_args):  # pragma: no cover  (compiled; its oracle is `prepare._rest`'s)
-    """The block of `graphs.offsets`' layout and what `_rest` stages beside it: (block (empty:
-    not a graph step), the capacities [kv_indices, touched, targets, rows], seq_lens, the
-    touched pages distinct, wpages, wcheck, wok). step: [pages in the pool, step, previous
-    step, page size, the key's capacities so far (4)]; plan_args: `_plan_args`."""
+          plan_args, room):  # pragma: no cover  (compiled; its oracle is `prepare._rest`'s)
+    """The block of `graphs.offsets`' layout, written into room[:size], and what `_rest`
+    stages beside it: (size (0: not a graph step; over len(room): nothing written), the
+    capacities [kv_indices, touched, targets, rows], seq_lens, the touched pages distinct,
+    wpages, wcheck, wok). step: [pages in the pool, step, previous step, page size, the key's
+    capacities so far (4)]; plan_args: `_plan_args`."""
     pages, page_size = step[0], step[3]
     words = plan_args[0]
     none = np.zeros(0, np.int64)
@@ -184,12 +213,12 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     W = q_len[0]
     for r in range(R):
         if q_len[r] != W:
-            return none, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
+            return 0, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
     plan = np.zeros(words, np.int32)
     pa = plan_args
     if not fa2plan._fill(kv_indptr, pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], page_size,
                          pa[8], pa[9], pa[10], pa[11], pa[12], pa[13], pa[14], pa[15], plan):
-        return none, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
+        return 0, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
     tset = prepk.distinct(touched) if len(touched) else none
     wpages, wcheck, wok = prepk.targets(ew, pages, tset, len(touched) > 0, allowed, write_ok)
     cap = np.empty(4, np.int64)
@@ -207,7 +236,16 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     for i in range(len(sizes)):
         at[i] = end
         end += sizes[i] + (-sizes[i] % ALIGN)
-    block = np.zeros(at[-1] + len(kv_indices), np.int64)
+    size = at[-1] + len(kv_indices)
+    if size > len(room):
+        return size, cap, seq, tset, wpages, wcheck, wok
+    block = room[:size]
+    # past each field's values up to the next field, zeros (padding, params' last two words,
+    # the capacities' unused part): the rest of the block is written once, not zeroed first
+    filled = (n, n, n, n, n, n, R + 1, R + 1, R, R, n, 6, len(tset), len(wpages), len(prows),
+              words)
+    for i in range(len(filled)):
+        block[at[i] + filled[i]: at[i + 1]] = 0
     block[at[0]: at[0] + n] = tok_m.view(np.int64)
     block[at[1]: at[1] + n] = pos_m.view(np.int64)
     _field(block, at[2], tslot)
@@ -229,4 +267,4 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     _field(block, at[14], prows)
     _field(block, at[15], plan)
     _field(block, at[16], kv_indices)
-    return block, cap, seq, tset, wpages, wcheck, wok
+    return size, cap, seq, tset, wpages, wcheck, wok

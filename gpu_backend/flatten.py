@@ -152,6 +152,19 @@ def _owns(alloc: np.ndarray, p0: int, n: int, lead: int, shared: np.ndarray, pag
     return False
 
 
+@nb.njit(cache=True)
+def one_width(is_ctx: np.ndarray, q_len: np.ndarray) -> int:
+    """The rows' one query width when they are all generation rows of one width (a steady
+    step: one launch run, `layout._runs`), else -1 (or no rows). ~0.5 µs against numpy's ~8."""
+    if not len(q_len):
+        return -1
+    w = q_len[0]
+    for r in range(len(q_len)):
+        if is_ctx[r] or q_len[r] != w:
+            return -1
+    return w
+
+
 def run(*args: Any) -> tuple[np.ndarray, ...]:
     """`flatten(*args)`, or `split` across the host's threads for a long step
     (`hostpool.parts` of its appends)."""

@@ -263,7 +263,7 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
     f = _flat_compiled(c, indptr, ind, sh, page_size, guard) if compiled else \
         _flat_numpy(c, indptr, ind, sh, page_size, guard)
     xp, xi, xl = _xqa_csr(c, step.backend, ind, indptr, page_size, guard)
-    return StepBatch(
+    return _new_batch(
         step=step.step, backend=step.backend, plan_q_len=step.plan_q_len,
         plan_batch=step.plan_batch, plan_cache_size=step.plan_cache_size, page_size=page_size,
         guard=guard, requests=c["request"], is_ctx=c["is_ctx"],
@@ -276,18 +276,38 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
         app_tokens=c["tokens"], rope_pos=c["rope_pos"], append_pos=c["append_pos"],
         committed=c["committed"], new_tokens=c["new_tokens"],
         xqa_indptr=xp, xqa_indices=xi, xqa_last_page_len=xl,
-        runs=_runs(c["is_ctx"], c["q_len"]), **f)
+        runs=_steady_runs(c) if compiled else _runs(c["is_ctx"], c["q_len"]), **f)
+
+
+def _new_batch(**fields: Any) -> StepBatch:
+    """StepBatch(**fields) without the frozen dataclass's __init__, which sets its 33 fields
+    one `object.__setattr__` at a time: ~14 of a generation step's ~90 µs in `build_step` on a
+    development machine, this ~2 (as `_unpack` makes a shipped one). In field order, every
+    field given (a KeyError otherwise), as __init__ would have them."""
+    b = object.__new__(StepBatch)
+    b.__dict__.update({k: fields[k] for k in _FIELDS})
+    return b
 
 
 def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,
                    B: int, guard: int) -> dict[str, np.ndarray]:
-    from gpu_backend.flatten import run
+    from gpu_backend import flatten
 
-    out = run(c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"], c["tokens"],
-              c["committed"], c["alloc"], c["alloc_len"], c["shared_blocks"], c["is_gen"],
-              c["new_tokens"], indptr, ind, np.sort(shared) if len(shared) > 1 else shared, B,
-              guard, TAIL)
+    out = flatten.run(c["q_len"], c["append_pos_len"], c["append_pos"], c["rope_pos"],
+                      c["tokens"], c["committed"], c["alloc"], c["alloc_len"],
+                      c["shared_blocks"], c["is_gen"], c["new_tokens"], indptr, ind,
+                      np.sort(shared) if len(shared) > 1 else shared, B, guard, TAIL)
     return dict(zip(_FLAT, out, strict=True))
+
+
+def _steady_runs(c: Columns) -> tuple[tuple[int, int, str], ...]:
+    """`_runs`, the steady step's one run found by a compiled pass (`flatten.one_width`)."""
+    from gpu_backend import flatten
+
+    w = flatten.one_width(c["is_ctx"], c["q_len"])
+    if w < 0:
+        return _runs(c["is_ctx"], c["q_len"])
+    return ((0, len(c["q_len"]), _KINDS[1 if w == 1 else 2]),)
 
 
 def _flat_numpy(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,

@@ -30,7 +30,7 @@ from gpu_backend.intsets import unique
 from gpu_backend.layout import StepBatch, build_step, kernel_arrays, run_arrays
 from gpu_backend.promptbatch import prompts_batch, token_rows
 from gpu_backend.refgroups import RefGroup, ref_groups
-from gpu_backend.staging import Chunk, FromRows, Joined, StepArrays, stage
+from gpu_backend.staging import ALIGN, Chunk, FromRows, Joined, StepArrays, stage
 from gpu_backend.targets import distinct, targets
 from gpu_backend.tracedata import TraceData
 from sim.trace.records import RowRecord, StepRecord
@@ -128,10 +128,11 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
         batch.append(prepare_step(state, s, trace.rows[s.step], flight, chunk,
                                   defer and i == 0))
         state.step_seconds[s.step] = time.perf_counter() - t0
-        if chunk.n >= CHUNK_WORDS or ramp(i + 1, CHUNK_STEPS, 1) != ramp(i, CHUNK_STEPS, 1):
+        c = ramp(i + 1, CHUNK_STEPS, 1)
+        if chunk.n >= CHUNK_WORDS or c != ramp(i, CHUNK_STEPS, 1):
             chunk.upload()
             ready.extend(batch)
-            chunk, batch = Chunk(device), []
+            chunk, batch = Chunk(device, _words(chunk, len(batch), i, c)), []
         state.seconds += time.perf_counter() - t0
         if ready:
             yield ready.popleft()
@@ -141,6 +142,15 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
         ready.extend(batch)
         state.seconds += time.perf_counter() - t0
     yield from ready
+
+
+def _words(last: Chunk, steps: int, i: int, c: int) -> int:
+    """The words to give chunk c (`ramp`'s) ahead (`Chunk(words=)`), after `last` of `steps`
+    steps ended with the i-th step: its words a step, 1.25x, times c's steps (0: none ahead
+    after the prompts' step, chunk 0, whose size says nothing of the steps after it)."""
+    if i < 1:
+        return 0
+    return min(CHUNK_WORDS, int(1.25 * last.n / max(steps, 1)) * min(c, CHUNK_STEPS)) + ALIGN
 
 
 def replayed(trace: TraceData) -> list[StepRecord]:

@@ -28,42 +28,99 @@ _ZEROS = np.zeros(ALIGN, dtype=np.int64)  # padding between arrays (only ever re
 
 
 class Chunk:
-    """One pinned upload of many steps' arrays; `add` before `upload`, `view` after."""
+    """One pinned upload of many steps' arrays; `add` (or `claim`) before `upload`, `view`
+    after. words > 0: the arrays are written into a pinned buffer of that many words as they
+    are added (grown if they outgrow it), and `upload` copies nothing on the host; else they are
+    queued and concatenated into one at `upload` (a chunk of unknown size: the prompts' step)."""
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, words: int = 0):
         self.dev = torch.device(device)
         self.parts: list[np.ndarray] = []
         self.n = 0
         self.bufs: dict[str, torch.Tensor] = {}
+        # the buffer written in place (None: `parts`). Why: at 64 x 2k a generation step
+        # stages ~13.5k words, and their concatenation was ~8% of its preparation on a
+        # development machine; `claim` lets a compiled pass write its block there directly
+        self.h64 = self.pinned(words) if words > 0 else None
+        self.host = self.h64.numpy() if self.h64 is not None else None
 
     def add(self, a: np.ndarray) -> Slot:
-        """Queue one array (int64, or float64 stored as its bits); returns its slot."""
-        pad = -self.n % ALIGN  # kernels may load index arrays with vector instructions
-        if pad:
-            self.parts.append(_ZEROS[:pad])
-        off = self.n + pad
+        """Stage one array (int64, or float64 stored as its bits); returns its slot."""
         if a.ndim == 1:  # most arrays: no stride arithmetic (~1 µs less each), and int32 and
-            # bool ones are widened by the one concatenation into the buffer, not copied here
-            self.parts.append(a.view(np.int64) if a.dtype == np.float64 else _integral(a))
-            self.n = off + a.shape[0]
-            return a.shape, (1,), off
-        a = np.ascontiguousarray(a)
-        flat = a.view(np.int64).ravel() if a.dtype == np.float64 else \
-            a.astype(np.int64, copy=False).ravel()
-        self.parts.append(flat)
-        self.n = off + flat.size
-        strides = tuple(int(x) // a.itemsize for x in a.strides) if flat.size else (1,) * a.ndim
-        return a.shape, strides, off
+            # bool ones are widened by the copy into the buffer, not here
+            flat = a.view(np.int64) if a.dtype == np.float64 else _integral(a)
+            shape: tuple[int, ...] = a.shape
+            strides: tuple[int, ...] = (1,)
+        else:
+            a = np.ascontiguousarray(a)
+            flat = a.view(np.int64).ravel() if a.dtype == np.float64 else \
+                a.astype(np.int64, copy=False).ravel()
+            shape = a.shape
+            strides = tuple(int(x) // a.itemsize for x in a.strides) if flat.size else \
+                (1,) * a.ndim
+        off = self._aligned(flat.size)
+        if self.host is not None:
+            self.host[off: self.n] = flat
+        else:
+            self.parts.append(flat)
+        return shape, strides, off
+
+    def claim(self, n: int) -> tuple[int, np.ndarray]:
+        """(offset, n words) at the chunk's end for the caller to write before `upload`;
+        `trim` gives back what it leaves unused."""
+        off = self._aligned(n)
+        if self.host is not None:
+            return off, self.host[off: self.n]
+        self.parts.append(np.empty(n, np.int64))
+        return off, self.parts[-1]
+
+    def trim(self, end: int) -> None:
+        """The chunk ends at word `end` (at most where it ends): a claim's unused words, or a
+        claim and its padding undone."""
+        extra, self.n = self.n - end, end
+        while extra > 0 and self.host is None:
+            last = self.parts[-1]
+            if len(last) > extra:
+                self.parts[-1] = last[: len(last) - extra]
+                return
+            self.parts.pop()
+            extra -= len(last)
+
+    def _aligned(self, n: int) -> int:
+        """Room for n words at the next aligned offset (kernels may load index arrays with
+        vector instructions), the padding zeroed; returns the offset and moves the end."""
+        pad = -self.n % ALIGN
+        off = self.n + pad
+        if self.host is not None:
+            if off + n > len(self.host):
+                self._grow(off + n)
+            self.host[self.n: off] = 0
+        elif pad:
+            self.parts.append(_ZEROS[:pad])
+        self.n = off + n
+        return off
+
+    def _grow(self, need: int) -> None:
+        assert self.host is not None
+        h64 = self.pinned(max(need, 2 * len(self.host)))
+        host = h64.numpy()
+        host[: self.n] = self.host[: self.n]
+        self.h64, self.host = h64, host
 
     def upload(self) -> None:
-        h64 = self.pinned(max(self.n, 1))
-        if self.parts:
-            np.concatenate(self.parts, out=h64.numpy()[: self.n], casting="safe")
+        if self.h64 is not None:
+            h64 = self.h64[: max(self.n, 1)]
+        else:
+            h64 = self.pinned(max(self.n, 1))
+            if self.parts:
+                np.concatenate(self.parts, out=h64.numpy()[: self.n], casting="safe")
         self.load(h64)
 
     def words(self) -> np.ndarray:
-        """The queued arrays as the one int64 buffer `upload` would copy (a worker process
+        """The staged arrays as the one int64 buffer `upload` would copy (a worker process
         ships it: `gpu_backend.workers`)."""
+        if self.host is not None and self.n:
+            return self.host[: self.n].copy()
         return np.concatenate(self.parts, dtype=np.int64, casting="safe") if self.parts else \
             np.zeros(1, dtype=np.int64)
 
@@ -92,7 +149,7 @@ class Chunk:
         int32 twin), and each form cost the loop a launch a chunk."""
         d64 = h64.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else h64
         self.bufs = {"h64": h64, "d64": d64, "f64": d64.view(torch.float64)}
-        self.parts = []
+        self.parts, self.h64, self.host = [], None, None
 
     def _form(self, copy: str) -> torch.Tensor:
         """One of the chunk's device copies, the int32 and bool forms made on first use (the

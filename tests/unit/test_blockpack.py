@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
 from gpu_backend import blockpack, prepare
@@ -23,8 +24,9 @@ from gpu_backend.truthprep import truth_shape
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
 
 
-def _steps(trace: TraceData) -> list[tuple[Any, ...]]:
-    """Every replayed step prepared into a chunk of its own: (its chunk's words, its views
+def _steps(trace: TraceData, words: int = 0) -> list[tuple[Any, ...]]:
+    """Every replayed step prepared into a chunk of its own (`Chunk(words=)`: written in
+    place, from a buffer of that many words): (its chunk's words, its views
     (name -> slot, in order), graph key, wpages, wcheck, wok, then its other fields), then the
     host state after the last one."""
     slots, _, last = truth_shape(trace)
@@ -33,15 +35,26 @@ def _steps(trace: TraceData) -> list[tuple[Any, ...]]:
     flight = prepare.in_flight_poison(trace)
     out = []
     for s in prepare.replayed(trace):
-        chunk = Chunk("cpu")
+        chunk = Chunk("cpu", words)
         p = prepare.prepare_step(st, s, trace.rows[s.step], flight, chunk)
-        words = np.concatenate(chunk.parts) if chunk.parts else np.zeros(0, np.int64)
-        out.append((words, list(p.dv.slots.items()), p.graph, p.wpages, p.wcheck, p.wok,
+        staged = chunk.words()
+        out.append((staged, list(p.dv.slots.items()), p.graph, p.wpages, p.wcheck, p.wok,
                     p.touched, p.ops, p.groups, p.fill, p.engine_nan, p.truth_same,
                     p.q_identity, p.deferred))
     # the host state the steps leave
     out.append((st.prev_step, st.slot, st.free, st.shared, st.held is None, st.graph_caps))
     return out
+
+
+def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's buffers hold garbage where nothing is written (as reused pinned memory
+    does), so a word the pass leaves unwritten shows."""
+    real = Chunk.pinned
+
+    def pinned(self: Chunk, n: int) -> torch.Tensor:
+        return real(self, n).fill_(-0x5A5A5A5A5A5A5A5)
+
+    monkeypatch.setattr(Chunk, "pinned", pinned)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -50,7 +63,8 @@ def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
     """The same words, views (in the same order), graph key, target pages, pool operations,
     reference groups and flags with the pass as without it (`prepare.PACK`), the same host state
     after the last step, and the pass packed every graph step (on the big trace, every
-    generation step)."""
+    generation step). The pass writes its block where the chunk stages it (`Chunk.claim`):
+    into a queued array, or into the chunk's buffer, grown mid-block when it is small."""
     trace = load_trace(named_trace(tmp_path, name, 9))
     monkeypatch.setattr(prepare, "PACK", False)
     want = _steps(trace)
@@ -64,13 +78,16 @@ def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
         return got
 
     monkeypatch.setattr(blockpack, "packed", counted)
-    got = _steps(trace)
-    assert len(got) == len(want) > 1 and got[-1] == want[-1]
-    for g, w in zip(got[:-1], want[:-1], strict=True):
-        assert g[0].dtype == w[0].dtype and np.array_equal(g[0], w[0])
-        assert g[1] == w[1] and g[2] == w[2] and g[4] == w[4] and g[6:] == w[6:]
-        for i in (3, 5):  # wpages, wok
-            assert g[i].dtype == w[i].dtype and np.array_equal(g[i], w[i])
+    _poisoned(monkeypatch)
+    for words in (0, 1000):
+        packed.clear()
+        got = _steps(trace, words)
+        assert len(got) == len(want) > 1 and got[-1] == want[-1]
+        for g, w in zip(got[:-1], want[:-1], strict=True):
+            assert g[0].dtype == w[0].dtype and np.array_equal(g[0], w[0])
+            assert g[1] == w[1] and g[2] == w[2] and g[4] == w[4] and g[6:] == w[6:]
+            for i in (3, 5):  # wpages, wok
+                assert g[i].dtype == w[i].dtype and np.array_equal(g[i], w[i])
     graph_steps = sum(w[2] is not None for w in want[:-1])
     assert sum(packed) == graph_steps
     if name == "big":
@@ -105,3 +122,21 @@ def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path) -> None:
         p = prepare.prepare_step(st, steps[1], trace.rows[steps[1].step], flight, Chunk("cpu"))
     assert len(seen) == 1 and seen[0][0] is None and seen[0][1] == seen[0][2]  # the gen step
     assert p.graph is not None and "gblk" in p.dv.slots  # `prepare`'s own way
+
+
+def test_a_block_over_its_room_is_written_again_where_it_fits(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    """When the room claimed for a block is too small (`_most` too low), the pass writes
+    nothing there, gives it back and writes the block in a claim of its size: the same words."""
+    trace = load_trace(named_trace(tmp_path, "big", 5))
+    monkeypatch.setattr(prepare, "PACK", False)
+    want = _steps(trace)
+    monkeypatch.setattr(prepare, "PACK", True)
+    monkeypatch.setattr(blockpack, "_most", lambda *a: 7)
+    _poisoned(monkeypatch)
+    for words in (0, 1000):
+        got = _steps(trace, words)
+        assert got[-1] == want[-1]
+        for g, w in zip(got[:-1], want[:-1], strict=True):
+            assert np.array_equal(g[0], w[0]) and g[1] == w[1] and g[2] == w[2]

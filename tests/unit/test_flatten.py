@@ -16,7 +16,15 @@ from replay_traces import FAULTS, SCENARIOS, any_trace
 
 from gpu_backend import flatten, hostpool
 from gpu_backend.flatnumpy import flat_numpy as _flat_numpy
-from gpu_backend.layout import _FLAT, TAIL, _flat_compiled, _flat_indices, build_step
+from gpu_backend.layout import (
+    _FLAT,
+    TAIL,
+    _flat_compiled,
+    _flat_indices,
+    _runs,
+    _steady_runs,
+    build_step,
+)
 from gpu_backend.tracedata import load_trace
 
 
@@ -137,3 +145,13 @@ def test_a_long_step_is_split_across_threads(tmp_path: Path, monkeypatch: pytest
             assert (got.dtype, got.tolist()) == (v.dtype, v.tolist()) \
                 if isinstance(v, np.ndarray) else got == v, k
     assert calls == [3] * len(longest) and longest
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=6))
+def test_the_steady_run_is_found_as_runs_finds_it(rows: list[tuple[bool, int]]) -> None:
+    """`_steady_runs` (a compiled look for one width) gives `_runs`' runs: no rows, context
+    rows, mixed widths, decode (1) and verify widths, empty queries."""
+    is_ctx = np.array([c for c, _ in rows], dtype=bool)
+    q_len = np.array([q for _, q in rows], dtype=np.int64)
+    assert _steady_runs({"is_ctx": is_ctx, "q_len": q_len}) == _runs(is_ctx, q_len)

@@ -74,3 +74,50 @@ def test_narrow_dtypes_are_staged_as_astype_would() -> None:
     assert words.dtype == np.int64 and np.array_equal(words, chunk.bufs["h64"].numpy())
     for k, a in arrays.items():
         assert np.array_equal(dv[k].numpy(), a.astype(np.int64)), k
+
+
+def _fill(chunk: Chunk, arrays: dict[str, np.ndarray]) -> list[object]:
+    """Stage `arrays` with claims between them: one written in full, one trimmed to part of
+    it, one undone (trimmed back to where it began). Returns the slots and claims' offsets."""
+    out: list[object] = []
+    for i, a in enumerate(arrays.values()):
+        out.append(chunk.add(a))
+        start = chunk.n
+        at, room = chunk.claim(13 + i)
+        room[:] = np.arange(13 + i) * (i + 1)
+        out.append(at)
+        if i % 3 == 1:
+            chunk.trim(at + 5)
+        elif i % 3 == 2:
+            chunk.trim(start)
+    return out
+
+
+def test_a_chunk_written_in_place_stages_the_words_of_a_queued_one() -> None:
+    """`Chunk(words=)` (arrays and claims written into its buffer as they come, grown when
+    they outgrow it) stages the words and slots of a chunk that concatenates at `upload`,
+    padding, narrow dtypes, claims and trims included; its upload copies nothing."""
+    _, arrays = _chunk()
+    arrays |= {"i32": np.arange(-20, 19, dtype=np.int32), "b": np.arange(9) % 2 == 0}
+    want_chunk = Chunk("cpu")
+    want = _fill(want_chunk, arrays)
+    for words in (1, 40, 100_000):  # grown many times, once, never
+        chunk = Chunk("cpu", words)
+        assert _fill(chunk, arrays) == want and chunk.n == want_chunk.n
+        words_now = chunk.words()
+        assert np.array_equal(words_now, want_chunk.words())
+        h64 = chunk.h64
+        chunk.upload()
+        assert chunk.bufs["h64"].data_ptr() == h64.data_ptr()  # no copy on the host
+        assert np.array_equal(chunk.bufs["h64"].numpy()[: chunk.n], words_now)
+
+
+def test_a_claim_trimmed_back_leaves_the_chunk_as_it_was() -> None:
+    for words in (0, 8, 4096):
+        chunk = Chunk("cpu", words)
+        chunk.add(np.arange(3))
+        before = (chunk.n, chunk.words().tolist())
+        at, room = chunk.claim(100)
+        assert at % 32 == 0 and len(room) == 100 and chunk.n == at + 100
+        chunk.trim(before[0])
+        assert (chunk.n, chunk.words().tolist()) == before

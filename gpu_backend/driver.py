@@ -40,6 +40,7 @@ from typing import Protocol
 import torch
 
 from gpu_backend import oracle
+from gpu_backend.boxed import Boxed
 from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tests, tools)
 from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
@@ -254,6 +255,8 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
         if wait_all or len(pending) >= min(EARLY, left) or tokens >= SEND_TOKENS:
             sent.append(send(pending))
             tokens = 0
+            if graphs is not None:
+                graphs.seal()  # the next read-back's steps in an arena of their own
         if graphs is not None and nxt is not None:
             graphs.ahead(nxt)  # while the device runs p (and a settle below waits for it)
         if wait_all:
@@ -286,15 +289,19 @@ def _graph_step(graphs: StepGraphs, pool: KVPool, p: Prepared, nxt: Prepared | N
         got = graphs.run(p)
         if got is None:
             return None
-        tok, moved = got
-        assert isinstance(watch, IncrementalWatch) and moved is not None
+        assert isinstance(watch, IncrementalWatch)
         watch.after_graph(p, nxt is None)
+        if isinstance(got, Boxed):  # its results in the loop's arena (`graphs.ARENA`)
+            return Pending(p, got, got)
+        tok, moved = got
+        assert moved is not None
         return Pending(p, tok, moved)
     _apply_events(pool, p)
     watch.after_events(p)
     got = graphs.run(p)
     if got is None:
         return _one_step(pool, graphs.truth, graphs.k, p, watch, {}, graphs.hq)(nxt)
+    assert not isinstance(got, Boxed)  # an arena only with the incremental watch
     return Pending(p, got[0], watch.after_kernels(p, nxt, nxt is None))
 
 

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from gpu_backend import fa2plan, rawcopy
+from gpu_backend.boxed import Boxed
 from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.staging import ALIGN, StepArrays
 
@@ -65,6 +66,12 @@ _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("params", "gr_params", "i"), ("touched", "gr_touched", "i"),
            ("wpages", "gr_wpages", "i"), ("prows", "gr_prows", "i"),
            ("plan", "gr_plan", "w"), ("kv_indices", "kv_indices", "w"))
+# a graph step's results copied into the loop's arena (`Boxed`: one copy a step, no tensor
+# made for them; a read-back copies the arena's span home at once), else into a tensor of their
+# own, viewed as token errors and moved flags (the results' form until round 36)
+ARENA = True
+ARENA_STEPS = 24  # steps' results an arena holds (a read-back takes `driver.EARLY`)
+
 # gr_params: the counts and step numbers the graph's page checks read on the device
 # (poolk's PARAMS: touched pages, target pages, targets to check, step, previous step, rows)
 _PARAMS = 8
@@ -185,16 +192,20 @@ class StepGraphs:
         # of a step's host on the H200)
         self.stream = torch.cuda.current_stream()
         self.replays = self.captures = self.fallbacks = 0
+        self.arena: torch.Tensor | None = None  # where graph steps' results go (`ARENA`)
+        self.used = 0  # bytes of it taken
 
     def stats(self) -> dict[str, int]:
         return {"graphs": len(self.entries), "graph_replays": self.replays,
                 "graph_captures": self.captures, "eager_fallbacks": self.fallbacks,
                 "plan_mismatches": len(self.mismatched)}
 
-    def run(self, p: Any) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Run step p: (its per-token errors [2, nnz_q] fp32 as `oracle.token_errors`, its
-        targets' moved flags [len(p.wpages)] bool with the incremental watch, else None), or
-        None: run it eagerly, events and all (its plan does not fit its graph)."""
+    def run(self, p: Any) -> Boxed | tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Run step p: its results, or None: run it eagerly, events and all (its plan does not
+        fit its graph). The results: per-token errors [2, nnz_q] fp32 as
+        `oracle.token_errors`, then its targets' moved flags [len(p.wpages)] bool with the
+        incremental watch, in the loop's arena (`ARENA`, with the incremental watch) or as
+        (errors, flags or None)."""
         key: Key = p.graph
         if key in self.mismatched:
             self.fallbacks += 1
@@ -227,10 +238,32 @@ class StepGraphs:
         # step on the H200's host (round 29)
         n = p.b.num_tokens  # the layout of `_out`
         w = len(p.wpages) if self.checks else 0
+        if ARENA and self.checks:
+            return self._boxed(e.out, n, w)
         both = rawcopy.into(torch.empty(8 * n + w, dtype=torch.uint8, device=e.out.device),
                             e.out, 0, self.stream)
         tok = both[: 8 * n].view(torch.float32).view(2, n)
         return tok, both[8 * n:].view(torch.bool) if self.checks else None
+
+    def _boxed(self, out: torch.Tensor, n: int, w: int) -> Boxed:
+        """The step's results (`out`'s first 8n + w bytes) copied into the arena: a torch
+        tensor and two views a step cost the loop ~20 µs of the H200's host (round 29's
+        figures), a copy by address into the arena none of that. A full arena is left to the
+        read-backs that hold it (`seal`: the caching allocator reuses it in stream order)."""
+        nbytes = 8 * n + w
+        if self.arena is None or self.used + nbytes > self.arena.numel():
+            self.arena = torch.empty(ARENA_STEPS * (nbytes + 8), dtype=torch.uint8,
+                                     device=out.device)
+            self.used = 0
+        off = self.used
+        rawcopy.d2d(self.arena.data_ptr() + off, out.data_ptr(), nbytes, self.stream)
+        self.used = off + nbytes + (-nbytes % 8)  # the next step's errors 8-byte aligned
+        return Boxed(self.arena, off, n, w)
+
+    def seal(self) -> None:
+        """The steps after a read-back go to a new arena (`readback.send` copies one arena's
+        span of steps home at once)."""
+        self.arena = None
 
     def _entry(self, key: Key) -> _Entry:
         at = offsets(key)

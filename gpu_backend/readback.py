@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gpu_backend.boxed import Boxed
 from gpu_backend.oracle import CORRUPT, FAULT, blame, judge
 from gpu_backend.prepare import Prepared
 from gpu_backend.result import Judged, ReplayResult
@@ -26,10 +27,11 @@ from gpu_backend.watch import IncrementalWatch, Unseen, Watch
 @dataclass
 class Pending:
     """A step whose verdicts are still on the device: per-token errors and moved pages (the
-    watch's form), or the fault message that replaces them."""
+    watch's form; a graph step's both in the loop's arena, `Boxed`), or the fault message that
+    replaces them."""
     p: Prepared
-    tok: torch.Tensor | None
-    changed: torch.Tensor | None
+    tok: torch.Tensor | Boxed | None
+    changed: torch.Tensor | Boxed | None
     fault: str = ""
 
 
@@ -37,24 +39,44 @@ class Pending:
 class Sent:
     """Pending steps whose device data is on its way to the host: per-token errors and moved
     pages concatenated over the steps, copied into pinned memory behind the steps' work;
-    `ready` fires when the copies are done (None: the data is already on the host)."""
+    `ready` fires when the copies are done (None: the data is already on the host). Steps whose
+    results are all in one arena (`Boxed`) come home as its span in one copy: `home`, (the
+    bytes, the arena offset they start at)."""
     steps: list[Pending]
     toks: torch.Tensor | None
     moved: torch.Tensor | None
     ready: torch.cuda.Event | None
+    home: tuple[torch.Tensor, int] | None = None
 
 
 def send(pending: list[Pending]) -> Sent:
     """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
-    toks = [x.tok for x in pending if x.tok is not None]
-    moved = [x.changed for x in pending if x.changed is not None]
-    out = Sent(list(pending), _to_host(torch.cat(toks, 1)) if toks else None,
-               _to_host(torch.cat(moved)) if moved else None, None)
-    if any(x is not None and x.is_pinned() for x in (out.toks, out.moved)):
+    first = pending[0].tok if pending else None
+    if isinstance(first, Boxed) and all(isinstance(x.tok, Boxed) and x.tok.arena is first.arena
+                                        for x in pending):
+        last = pending[-1].tok
+        assert isinstance(last, Boxed)
+        out = Sent(list(pending), None, None, None,
+                   (_to_host(first.arena[first.off: last.end]), first.off))
+    else:  # steps run eagerly among them, or arenas apart: each step's results as tensors
+        steps = [_unboxed(x) for x in pending]
+        toks = [x.tok for x in steps if isinstance(x.tok, torch.Tensor)]
+        moved = [x.changed for x in steps if isinstance(x.changed, torch.Tensor)]
+        out = Sent(steps, _to_host(torch.cat(toks, 1)) if toks else None,
+                   _to_host(torch.cat(moved)) if moved else None, None)
+    if any(x is not None and x.is_pinned()
+           for x in (out.toks, out.moved, out.home[0] if out.home else None)):
         out.ready = torch.cuda.Event()
         out.ready.record()
     pending.clear()
     return out
+
+
+def _unboxed(x: Pending) -> Pending:
+    if not isinstance(x.tok, Boxed):
+        return x
+    tok, moved = x.tok.tensors()
+    return Pending(x.p, tok, moved, x.fault)
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:
@@ -94,9 +116,9 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
     """Judge the steps of one read-back (`oracle.judge`: one pass over all their tokens), then
     blame the rows of any step where a page moved."""
     live = [x for x in s.steps if x.tok is not None]
-    code, err = (judge([x.p.b for x in live], s.toks.numpy(), res.tol) if live and
-                 s.toks is not None else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
-    moved = s.moved.numpy() if s.moved is not None else np.zeros(0, dtype=bool)
+    toks, moved = _home(s)
+    code, err = (judge([x.p.b for x in live], toks, res.tol) if live and toks is not None
+                 else (np.zeros(0, np.int64), np.zeros(0, np.float32)))
     suspect = moved
     if moved.size and isinstance(watch, IncrementalWatch):  # flags over each step's wpages
         suspect = moved & ~np.concatenate([x.p.wok for x in live])  # the usual step: none
@@ -104,7 +126,8 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
         at = off = 0
         for x in live:
             assert x.changed is not None  # a step that ran has both (`Pending`)
-            n, rows = int(x.changed.numel()), x.p.b.num_rows
+            n = x.changed.w if isinstance(x.changed, Boxed) else int(x.changed.numel())
+            rows = x.p.b.num_rows
             if suspect[at: at + n].any():
                 bad = blame(x.p.b, watch.changed_pages(x.p, moved[at: at + n]))
                 code[off: off + rows][bad] = CORRUPT
@@ -113,6 +136,18 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
     if faults:  # their rows, FAULT and NaN, in step order among the others
         code, err = _with_faults(s.steps, code, err)
     res.judged.append(Judged([x.p.rows for x in s.steps], code, err, faults))
+
+
+def _home(s: Sent) -> tuple[np.ndarray | None, np.ndarray]:
+    """The read-back's token errors [2, its steps' tokens] (None: no step ran) and moved
+    flags, on the host: an arena's span cut into its steps' parts (`Boxed.host`)."""
+    if s.home is None:
+        return (s.toks.numpy() if s.toks is not None else None,
+                s.moved.numpy() if s.moved is not None else np.zeros(0, dtype=bool))
+    buf, at = s.home[0].numpy(), s.home[1]
+    parts = [x.tok.host(buf, at) for x in s.steps if isinstance(x.tok, Boxed)]
+    return (np.concatenate([t for t, _ in parts], axis=1),
+            np.concatenate([m for _, m in parts]))
 
 
 def _with_faults(steps: list[Pending], code: np.ndarray, err: np.ndarray

@@ -137,3 +137,53 @@ def test_the_replay_leaves_its_heap_untrimmed(tmp_path: Path,
     with heap.kept():
         pass
     assert calls == [0]  # the default still trims
+
+
+def _boxed(pending: list[Any], mode: str) -> list[Any]:
+    """The steps' results moved into arenas as a CUDA graph step leaves them (`Boxed`, the
+    bytes `graphs.StepGraphs._boxed` copies): "one" arena for all, two "halves", or every
+    other step ("mixed"; the others keep their tensors, as eager steps do)."""
+    import torch
+
+    from gpu_backend.boxed import Boxed
+
+    out, arena, used = [], None, 0
+    for i, x in enumerate(pending):
+        boxable = isinstance(x.tok, torch.Tensor) and isinstance(x.changed, torch.Tensor)
+        if not boxable or (mode == "mixed" and i % 2):
+            out.append(x)
+            continue
+        if arena is None or (mode == "halves" and i == len(pending) // 2):
+            arena, used = torch.full((1 << 20,), 0xAB, dtype=torch.uint8), 8
+        n, w = int(x.tok.shape[1]), int(x.changed.numel())
+        arena[used: used + 8 * n] = x.tok.contiguous().view(torch.uint8).flatten()
+        arena[used + 8 * n: used + 8 * n + w] = x.changed.view(torch.uint8)
+        box = Boxed(arena, used, n, w)
+        out.append(readback.Pending(x.p, box, box, x.fault))
+        used += 8 * n + w + (-(8 * n + w) % 8)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["one", "halves", "mixed"])
+def test_results_read_back_from_an_arena_are_judged_as_tensors_are(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """A read-back of steps whose results lie in one arena (`graphs.ARENA`) comes home as its
+    span in one copy and is cut into the steps' parts there; steps in two arenas, or among
+    steps run eagerly, are read back as tensors. The verdicts are the same either way, a
+    corrupt step's blame included."""
+    trace = load_trace(named_trace(tmp_path, "shared_block_written", 9))
+    want = _rows(_replay(trace))
+    assert any(r[3] == "corrupt" for r in want)
+    send = driver.send
+    homes: list[bool] = []
+
+    def boxed_send(pending: list[Any]) -> Any:
+        s = send(_boxed(pending, mode))
+        homes.append(s.home is not None)
+        pending.clear()
+        return s
+
+    monkeypatch.setattr(driver, "send", boxed_send)
+    monkeypatch.setattr(driver, "EARLY", 4)
+    assert _rows(_replay(trace)) == want
+    assert any(homes) if mode == "one" else not all(homes)

@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from gpu_backend import fa2plan, rawcopy
-from gpu_backend.boxed import Boxed
+from gpu_backend.boxed import Arena, Boxed
 from gpu_backend.layout import StepBatch, launch_runs, stale_plan
 from gpu_backend.staging import ALIGN, StepArrays
 
@@ -192,8 +192,7 @@ class StepGraphs:
         # of a step's host on the H200)
         self.stream = torch.cuda.current_stream()
         self.replays = self.captures = self.fallbacks = 0
-        self.arena: torch.Tensor | None = None  # where graph steps' results go (`ARENA`)
-        self.used = 0  # bytes of it taken
+        self.arena = Arena(ARENA_STEPS)  # where graph steps' results go (`ARENA`)
 
     def stats(self) -> dict[str, int]:
         return {"graphs": len(self.entries), "graph_replays": self.replays,
@@ -239,31 +238,16 @@ class StepGraphs:
         n = p.b.num_tokens  # the layout of `_out`
         w = len(p.wpages) if self.checks else 0
         if ARENA and self.checks:
-            return self._boxed(e.out, n, w)
+            return self.arena.put(e.out, 8 * n + w, n, w, self.stream)
         both = rawcopy.into(torch.empty(8 * n + w, dtype=torch.uint8, device=e.out.device),
                             e.out, 0, self.stream)
         tok = both[: 8 * n].view(torch.float32).view(2, n)
         return tok, both[8 * n:].view(torch.bool) if self.checks else None
 
-    def _boxed(self, out: torch.Tensor, n: int, w: int) -> Boxed:
-        """The step's results (`out`'s first 8n + w bytes) copied into the arena: a torch
-        tensor and two views a step cost the loop ~20 µs of the H200's host (round 29's
-        figures), a copy by address into the arena none of that. A full arena is left to the
-        read-backs that hold it (`seal`: the caching allocator reuses it in stream order)."""
-        nbytes = 8 * n + w
-        if self.arena is None or self.used + nbytes > self.arena.numel():
-            self.arena = torch.empty(ARENA_STEPS * (nbytes + 8), dtype=torch.uint8,
-                                     device=out.device)
-            self.used = 0
-        off = self.used
-        rawcopy.d2d(self.arena.data_ptr() + off, out.data_ptr(), nbytes, self.stream)
-        self.used = off + nbytes + (-nbytes % 8)  # the next step's errors 8-byte aligned
-        return Boxed(self.arena, off, n, w)
-
     def seal(self) -> None:
         """The steps after a read-back go to a new arena (`readback.send` copies one arena's
         span of steps home at once)."""
-        self.arena = None
+        self.arena.seal()
 
     def _entry(self, key: Key) -> _Entry:
         at = offsets(key)

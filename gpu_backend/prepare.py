@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from gpu_backend import blockpack, graphs, prepk, truthprep
+from gpu_backend.chunks import ramp, words_ahead
 from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
@@ -30,7 +31,7 @@ from gpu_backend.intsets import unique
 from gpu_backend.layout import StepBatch, build_step, kernel_arrays, run_arrays
 from gpu_backend.promptbatch import prompts_batch, token_rows
 from gpu_backend.refgroups import RefGroup, ref_groups
-from gpu_backend.staging import ALIGN, Chunk, FromRows, Joined, StepArrays, stage
+from gpu_backend.staging import Chunk, FromRows, Joined, StepArrays, stage
 from gpu_backend.targets import distinct, targets
 from gpu_backend.tracedata import TraceData
 from sim.trace.records import RowRecord, StepRecord
@@ -132,7 +133,9 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
         if chunk.n >= CHUNK_WORDS or c != ramp(i, CHUNK_STEPS, 1):
             chunk.upload()
             ready.extend(batch)
-            chunk, batch = Chunk(device, _words(chunk, len(batch), i, c)), []
+            chunk = Chunk(device, words_ahead(chunk.n, len(batch), i, c, CHUNK_STEPS,
+                                              CHUNK_WORDS))
+            batch = []
         state.seconds += time.perf_counter() - t0
         if ready:
             yield ready.popleft()
@@ -144,32 +147,10 @@ def prepared_steps(trace: TraceData, state: HostState, device: torch.device | st
     yield from ready
 
 
-def _words(last: Chunk, steps: int, i: int, c: int) -> int:
-    """The words to give chunk c (`ramp`'s) ahead (`Chunk(words=)`), after `last` of `steps`
-    steps ended with the i-th step: its words a step, 1.25x, times c's steps (0: none ahead
-    after the prompts' step, chunk 0, whose size says nothing of the steps after it)."""
-    if i < 1:
-        return 0
-    return min(CHUNK_WORDS, int(1.25 * last.n / max(steps, 1)) * min(c, CHUNK_STEPS)) + ALIGN
-
-
 def replayed(trace: TraceData) -> list[StepRecord]:
     """The steps a replay runs: those with rows (as the old loop: a step without rows has its
     events left unapplied)."""
     return [s for s in trace.steps if trace.rows[s.step]]
-
-
-def ramp(i: int, per: int, lead: int) -> int:
-    """The chunk of the i-th step with rows: chunk 0 holds the first `lead` steps, then chunk c
-    has min(c, per) steps. The loop launches a step once it holds the next one (`driver._loop`),
-    so small first chunks start the device sooner: the prompts' step, tens of ms of device
-    work at batch 64, runs while the host prepares the steps after it."""
-    if i < lead:
-        return 0
-    j, c = i - lead, 1
-    while c < per and j >= c:
-        j, c = j - c, c + 1
-    return c + j // per if c == per else c
 
 
 def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,

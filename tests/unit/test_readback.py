@@ -141,7 +141,7 @@ def test_the_replay_leaves_its_heap_untrimmed(tmp_path: Path,
 
 def _boxed(pending: list[Any], mode: str) -> list[Any]:
     """The steps' results moved into arenas as a CUDA graph step leaves them (`Boxed`, the
-    bytes `graphs.StepGraphs._boxed` copies): "one" arena for all, two "halves", or every
+    bytes `boxed.Arena.put` copies): "one" arena for all, two "halves", or every
     other step ("mixed"; the others keep their tensors, as eager steps do)."""
     import torch
 

@@ -44,16 +44,7 @@ from gpu_backend.boxed import Boxed
 from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tests, tools)
 from gpu_backend.graphs import StepGraphs
 from gpu_backend.layout import StepBatch
-from gpu_backend.oracle import (
-    DEFAULT_TOL,
-    TruthStore,
-    beside,
-    errors_fused,
-    join,
-    reference,
-    reference_errors,
-    token_errors,
-)
+from gpu_backend.oracle import DEFAULT_TOL, TruthStore, beside, join, reference, token_errors
 from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, replayed
 from gpu_backend.readback import Pending, Sent, drain, send, settle
@@ -338,13 +329,10 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
               ) -> Callable[[Prepared | None], Pending]:
     """The step's content, kernels and reference; `events`, if any, run between the content's
     and reference's launches and the kernels'. With a stream for the reference
-    (`TruthStore.side`) it is queued there before the kernels and runs beside them. A step
-    whose errors come from the reference's launch (`errors_fused`: a prompts' step) queues it
-    after the kernels instead, on the replay's stream."""
+    (`TruthStore.side`) it is queued there before the kernels and runs beside them."""
     kv, q, tq = _content(pool, truth, p, hq)
     ref = None
-    fuse = errors_fused(truth, p.groups, q)
-    if not fuse and (events is not None or truth.side is not None):
+    if events is not None or truth.side is not None:
         # its output from the current stream's memory: the side stream allocates nothing large
         # (a prompts' step's is 0.5 GB at 64 x 2k), which its own cache would hold apart
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device) \
@@ -365,12 +353,9 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
         return lambda nxt: Pending(p, None, None, msg)
     finally:  # before anything after the step reads what the reference reads or writes
         join(truth.side)
-    if fuse:
-        tok = reference_errors(truth, p.dv, p.groups[0], q if tq is None else tq, out)
-    else:
-        if ref is None:
-            ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
-        tok = token_errors(out, ref)
+    if ref is None:
+        ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
+    tok = token_errors(out, ref)
     return lambda nxt: Pending(p, tok, watch.after_kernels(p, nxt, nxt is None))
 
 

@@ -38,13 +38,6 @@ BESIDE = True
 # a step's context rows in one reference launch where the fused kernel runs, not one a row
 # (`refgroups.ref_groups(together=)`, `refattn.attend_rows`); False: one a row
 TOGETHER = True
-# a step whose reference is one launch of context rows covering every token (a prompts' step)
-# has its per-token errors made in that launch, queued after the kernels (`errors_fused`,
-# `refattn.attend_rows_errors`): its fp32 reference, 2.1 GB at 64 x 2k, is then neither
-# written nor read back. Off: on the H200 (round 37) it took 1.18x the wall of a 64 x 2k
-# 12-step replay, the same rows and errors bit for bit. False: the reference before the
-# kernels (beside them), `token_errors` after them
-FUSE_ERRORS = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -236,26 +229,6 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
             out.index_copy_(0, dv[pre + "dst"], o.index_select(0, dv[pre + "src"]))
     assert out is not None, "a step without rows has no reference"
     return out
-
-
-def errors_fused(truth: TruthStore, groups: list[RefGroup], q: torch.Tensor) -> bool:
-    """Whether the step's per-token errors come from its reference's launch
-    (`reference_errors`): one group of context rows together (`RefGroup.ragged`: every query
-    token of the step is one of its rows'), on the fused kernel."""
-    if not (FUSE_ERRORS and FUSED and q.is_cuda and len(groups) == 1 and groups[0].ragged):
-        return False
-    fused = _refattn()
-    return fused is not None and fused.supported(q, truth.kv)
-
-
-def reference_errors(truth: TruthStore, dv: StepArrays, g: RefGroup, q: torch.Tensor,
-                     out: torch.Tensor) -> torch.Tensor:
-    """`token_errors(out, reference(...))` of a step `errors_fused` takes, in one launch of
-    the reference (and an `amax`): the same [2, nnz_q] fp32, bit for bit."""
-    fused = _refattn()
-    assert fused is not None
-    return fused.attend_rows_errors(q, truth.kv, dv[g.pre + "slots"], dv[g.pre + "rows"], g.W,
-                                    g.L, out)
 
 
 def attend_group(truth: TruthStore, dv: StepArrays, g: RefGroup, qg: torch.Tensor

@@ -38,10 +38,10 @@ from gpu_backend.tlaunch import Launcher
 
 
 @triton.jit
-def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, ERR, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
-                   so_r, so_w, so_h, sl_r, se, W, G, L, HKV, scale,
+def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
+                   so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RAGGED: tl.constexpr, ERRORS: tl.constexpr):
+                   RAGGED: tl.constexpr):
     # the device starts programs in order, axis 0 first: a row's programs one after the other
     # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
     # otherwise spread each wave over every row), and within a row the last tile of queries
@@ -59,15 +59,13 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, ERR, sq_r, sq_w, sq_h, skv_kv, skv_
         w = i % wr
         head = h * G + i // wr
         at_q = (tl.load(LIMIT + r) + w) * sq_w
-        token = tl.load(LIMIT + r) + w
-        at_o = token * so_w
+        at_o = (tl.load(LIMIT + r) + w) * so_w
         lim = tl.load(LIMIT + 2 * sl_r + r) + w  # query j of a context row: committed + j
     else:
         valid = i < G * W
         w = i % W
         head = h * G + i // W
         at_q = r * sq_r + w * sq_w
-        token = r * W + w
         at_o = r * so_r + w * so_w
         lim = tl.load(LIMIT + r * sl_r + w, mask=valid, other=0)  # padding queries see key 0
     d = tl.arange(0, D)
@@ -98,19 +96,7 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, ERR, sq_r, sq_w, sq_h, skv_kv, skv_
         acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
         m = m_new
     o = acc / den[:, None]
-    at = OUT + at_o[:, None] + head[:, None] * so_h + d[None, :]
-    if ERRORS:  # OUT is the engine's output, read: `_token_err_kernel`'s two maxima, a head's
-        e = tl.load(at, mask=valid[:, None], other=0.0).to(tl.float32)
-        dd = tl.abs(e - o)
-        err = tl.max(tl.where(dd != dd, 0.0, dd), 1)
-        err = tl.where(tl.max((dd != dd).to(tl.int32), 1) > 0, float("nan"), err)
-        top = tl.max(tl.where(o == o, o, float("-inf")), 1)
-        top = tl.where(tl.max((o != o).to(tl.int32), 1) > 0, float("nan"), top)
-        at_e = token.to(tl.int64) * (HKV * G) + head  # ERR: [2, tokens, Hq] fp32
-        tl.store(ERR + at_e, err, mask=valid)
-        tl.store(ERR + se + at_e, top, mask=valid)
-    else:
-        tl.store(at, o, mask=valid[:, None])
+    tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
 
 
 def supported(q: torch.Tensor, kv: torch.Tensor) -> bool:
@@ -138,10 +124,10 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
                          f"{out.dtype} {tuple(out.shape)} strides {out.stride()}")
     bm = _block_m(g * W, R)
     bn, launch = _launch(g * W)
-    launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, out, q.stride(0),
+    launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, q.stride(0),
            q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-           out.stride(0), out.stride(1), out.stride(2), limit.stride(0), 0, W, g, L, hkv,
-           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False, ERRORS=False)
+           out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
+           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False)
     return out
 
 
@@ -154,48 +140,22 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     L: the keys any row reads. Writes those tokens of out [n, Hq, D] fp32 (the step's) and
     nothing else. A row's bits are those of its own `attend` launch with the same tiles (W's
     tile height)."""
-    if out.shape != q.shape or out.dtype != torch.float32 or out.stride(-1) != 1:
-        raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, not "
-                         f"{out.dtype} {tuple(out.shape)}")
-    _rows(q, kv, slots, rows, W, L, out, out, False)
-    return out
-
-
-def attend_rows_errors(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor,
-                       rows: torch.Tensor, W: int, L: int, engine: torch.Tensor
-                       ) -> torch.Tensor:
-    """`token_errors(engine, attend_rows(...))` in the reference's own launch, where its rows
-    are every token of the step: [2, n] fp32, max |engine - reference| and max reference per
-    token, NaN where either holds one. The fp32 reference is never written (at 64 x 2k a
-    prompts' step's is 2.1 GB, written, then read back by `token_errors`). Each program keeps
-    its tile's two maxima per (token, head); the heads' maxima follow (`amax`, NaN kept). A
-    token no row covers comes out NaN."""
-    n, Hq, _ = q.shape
-    if engine.shape != q.shape or engine.stride(-1) != 1:
-        raise ValueError(f"engine: {tuple(q.shape)} with a contiguous last dim, not "
-                         f"{tuple(engine.shape)} strides {engine.stride()}")
-    err = torch.full((2, n, Hq), float("nan"), dtype=torch.float32, device=q.device)
-    _rows(q, kv, slots, rows, W, L, engine, err, True)
-    return err.amax(2)
-
-
-def _rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, W: int,
-          L: int, out: torch.Tensor, err: torch.Tensor, errors: bool) -> None:
     n, Hq, D = q.shape
     hkv = int(kv.shape[2])
     g, R = Hq // hkv, int(rows.shape[1])
     q = q if q.stride(-1) == 1 else q.contiguous()
-    if rows.dtype != torch.int64 or rows.stride(-1) != 1:
-        raise ValueError(f"rows: int64 [3, R] contiguous, not {rows.dtype} {tuple(rows.shape)}")
+    if out.shape != q.shape or out.dtype != torch.float32 or out.stride(-1) != 1 or \
+            rows.dtype != torch.int64 or rows.stride(-1) != 1:
+        raise ValueError(f"out: fp32 {tuple(q.shape)} with a contiguous last dim, rows: int64 "
+                         f"[3, R] contiguous; not {out.dtype} {tuple(out.shape)}, "
+                         f"{rows.dtype} {tuple(rows.shape)}")
     bm = _block_m(g * W, R)
     bn, launch = _launch(g * W)
-    if errors:
-        bn, warps, stages = ERRORS_LAUNCH
-        launch = _launcher(warps, stages)
-    launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, err, 0, q.stride(0),
+    launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
-           out.stride(0), out.stride(1), rows.stride(0), n * Hq, W, g, L, hkv,
-           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, ERRORS=errors)
+           out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
+           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True)
+    return out
 
 
 # (BLOCK_N, warps, stages) of the reference's launches: a generation step's (one tile of
@@ -207,9 +167,6 @@ def _rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: torch.Te
 STEP_LAUNCH = (64, 4, 2)
 ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
-# `attend_rows_errors`' (its key blocks must be ROWS_LAUNCH's for its bits); its epilogue holds
-# the engine's tile beside the output's, so warps and stages may want other settings
-ERRORS_LAUNCH = (64, 4, 3)
 
 
 def _launch(queries: int) -> tuple[int, Launcher]:

@@ -1,8 +1,7 @@
-"""The fp32 reference on a stream of its own (`oracle.BESIDE`, `TruthStore.side`), a step's
-context rows in one reference launch (`oracle.TOGETHER`, `refattn.attend_rows`) and that launch
-making the step's errors itself (`oracle.FUSE_ERRORS`): launched off the replay's stream, in
-eager steps and inside the graphs, and the replay's verdicts those of the reference run in
-order, a context row a launch (its errors bit for bit with the rows alone)."""
+"""The fp32 reference on a stream of its own (`oracle.BESIDE`, `TruthStore.side`) and a step's
+context rows in one reference launch (`oracle.TOGETHER`, `refattn.attend_rows`): launched off
+the replay's stream, in eager steps and inside the graphs, and the replay's verdicts those of the
+reference run in order, a context row a launch (its errors bit for bit with the rows alone)."""
 
 from __future__ import annotations
 
@@ -33,12 +32,11 @@ def _trace(tmp: Path, name: str) -> TraceData:
 
 
 def _replay(trace: TraceData, monkeypatch: pytest.MonkeyPatch, beside: bool,
-            together: bool, fuse: bool = False) -> ReplayResult:
+            together: bool) -> ReplayResult:
     from gpu_backend.replay import FlashInferKernels
 
     monkeypatch.setattr(oracle, "BESIDE", beside)
     monkeypatch.setattr(oracle, "TOGETHER", together)
-    monkeypatch.setattr(oracle, "FUSE_ERRORS", fuse)
     return replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
 
 
@@ -91,27 +89,4 @@ def test_context_rows_in_one_launch_give_the_rows_alone(
     np.testing.assert_allclose(_errs(together), _errs(alone), rtol=0, atol=1e-5)
     ctx = sum(1 for r in trace.rows[trace.steps[0].step] if r.phase == "ctx")
     if ctx > 1 or name == "big_verify":  # the prompts' step: its rows in one launch
-        assert launches and launches[0] == ctx
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_errors_from_the_reference_launch_are_the_launch_then_token_errors(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
-    # a prompts' step's reference after its kernels, making its errors (no fp32 output): the
-    # rows and every error bit for bit those of the reference before the kernels
-    trace = _trace(tmp_path, name)
-    apart = _replay(trace, monkeypatch, True, True, fuse=False)
-    launches: list[int] = []
-    rows = refattn.attend_rows_errors
-
-    def spy(*a: Any, **kw: Any) -> torch.Tensor:
-        launches.append(int(a[3].shape[1]))
-        return rows(*a, **kw)
-
-    monkeypatch.setattr(refattn, "attend_rows_errors", spy)
-    fused = _replay(trace, monkeypatch, True, True, fuse=True)
-    assert _rows(fused) == _rows(apart)
-    np.testing.assert_array_equal(_errs(fused), _errs(apart))  # NaN where NaN
-    ctx = sum(1 for r in trace.rows[trace.steps[0].step] if r.phase == "ctx")
-    if ctx > 1 or name == "big_verify":
         assert launches and launches[0] == ctx

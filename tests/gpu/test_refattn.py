@@ -184,38 +184,6 @@ def test_context_rows_in_one_launch_are_each_rows_own(fused: ModuleType, committ
                           out=out)
 
 
-def test_context_rows_errors_in_the_launch_are_token_errors_of_its_output(
-        fused: ModuleType) -> None:
-    # `attend_rows_errors`: the reference's launch makes the per-token errors against the
-    # engine's output itself, bit for bit `token_errors(engine, attend_rows(...))`, NaN and inf
-    # in the engine's output included; a token of no row comes out NaN
-    g = torch.Generator(device=DEV).manual_seed(17)
-    Hq, Hkv, D = 32, 8, 128
-    lens, slots = [700, 64, 1003, 19], [3, 0, 4, 1]
-    first = [0, 700, 764, 1767]
-    n, span = 1767 + 19 + 1, 1003
-    kv = (torch.rand(2, 5, Hkv, span, D, device=DEV, generator=g) * 2 - 1).bfloat16()
-    q = ((torch.rand(n, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
-    rows = torch.tensor([first, lens, [0] * 4], device=DEV)
-    sl = torch.tensor(slots, device=DEV)
-    ref = fused.attend_rows(q, kv, sl, rows, max(lens), span,
-                            out=torch.zeros((n, Hq, D), device=DEV))
-    engine = (ref + torch.randn(n, Hq, D, device=DEV, generator=g) * 1e-3).bfloat16()
-    engine[3, 5, 7] = float("nan")
-    engine[20, 31, 127] = float("inf")
-    engine[60] = float("nan")
-    engine[800, 3, 0] = float("-inf")
-    got = [fused.attend_rows_errors(q, kv, sl, rows, max(lens), span, engine) for _ in range(2)]
-    want = fused.token_errors(engine, ref)
-    for x in got:
-        assert x.shape == (2, n) and x.dtype == torch.float32
-        torch.testing.assert_close(x[:, :-1], want[:, :-1], rtol=0, atol=0, equal_nan=True)
-        assert x[:, -1].isnan().all()  # the last token is no row's
-    assert want[0, [3, 60]].isnan().all() and want[0, [20, 800]].isinf().all()
-    with pytest.raises(ValueError, match="engine"):
-        fused.attend_rows_errors(q, kv, sl, rows, max(lens), span, engine[:-1])
-
-
 def test_reference_kernel_on_a_misaligned_query_view(fused: ModuleType) -> None:
     # Launcher keys on 16-byte alignment: a view 2 bytes in must not reuse the aligned kernel
     g = torch.Generator(device=DEV).manual_seed(7)

@@ -374,17 +374,22 @@ def _pool_ops(st: HostState, ops: list[PoolOp], touched: np.ndarray,
     checksums were taken before it), then the block events. Poisoned pages become their pool
     rows (`KVPool.poison_rows`), and the rewind joins the first run of poisoned pages, so a step
     usually poisons in one launch. Returns (ops, pages touched)."""
-    rows = 2 * st.trace.model.page_size
-    for kind, a, _, _ in ops:
+    rows, rew = 2 * st.trace.model.page_size, st.rewind
+    for i, (kind, a, _, _) in enumerate(ops):
         if kind == "nan":
             pages = arrays[f"ev{a}"]
-            arrays[f"ev{a}"] = (pages[:, None] * rows + np.arange(rows)).ravel()
-    if st.rewind is None:
+            if prepk.ENABLED:  # the rewind's rows first in the first run, in the same pass
+                lead = rew[0] if rew is not None and i == 0 else _NONE
+                arrays[f"ev{a}"] = prepk.pool_rows(pages, rows, lead)
+            else:
+                arrays[f"ev{a}"] = (pages[:, None] * rows + np.arange(rows)).ravel()
+    if rew is None:
         return ops, touched
-    rej_rows, rej_pages = st.rewind
+    rej_rows, rej_pages = rew
     touched = np.concatenate([touched, rej_pages])
     if ops and ops[0][0] == "nan":
-        arrays[f"ev{ops[0][1]}"] = np.concatenate([rej_rows, arrays[f"ev{ops[0][1]}"]])
+        if not prepk.ENABLED:
+            arrays[f"ev{ops[0][1]}"] = np.concatenate([rej_rows, arrays[f"ev{ops[0][1]}"]])
         return ops, touched
     arrays["ev-1"] = rej_rows
     return [("nan", -1, 0, 0), *ops], touched

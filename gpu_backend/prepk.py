@@ -150,6 +150,20 @@ def rewind(reject_page: np.ndarray, reject_slot: np.ndarray, pz: int
 
 
 @nb.njit(cache=True)
+def pool_rows(pages: np.ndarray, rows: int, lead: np.ndarray) -> np.ndarray:
+    """`prepare._pool_ops`' rows of a run of poisoned pages: `lead` (the last step's rewound
+    rows, or none), then each page's `rows` pool rows, page by page (int64)."""
+    n = len(lead)
+    out = np.empty(n + len(pages) * rows, np.int64)
+    out[:n] = lead
+    for i in range(len(pages)):
+        base = pages[i] * rows
+        for j in range(rows):
+            out[n + i * rows + j] = base + j
+    return out
+
+
+@nb.njit(cache=True)
 def content(tokens: np.ndarray, rope: np.ndarray, rope_pos: np.ndarray, true_pos: np.ndarray,
             M: int) -> tuple[np.ndarray, np.ndarray, int, bool]:
     """`truthprep.content_arrays`' numbers for a step whose queries are its appends:

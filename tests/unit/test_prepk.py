@@ -25,7 +25,7 @@ from gpu_backend.truthprep import truth_shape
 from sim.errors import TraceError
 
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
-_PASSES = ("targets", "identity_group", "seq_lens", "rewind", "content")
+_PASSES = ("targets", "identity_group", "seq_lens", "rewind", "content", "pool_rows")
 
 
 def _trace(tmp: Path, name: str) -> TraceData:
@@ -222,6 +222,18 @@ def test_the_rewinds_rows_and_pages_are_numpys(slots: list[tuple[int, int]]) -> 
     base = page * 2 * 16 + slot
     assert np.array_equal(rows, np.concatenate([base, base + 16]))
     assert pages.dtype == page.dtype and np.array_equal(pages, unique(page))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 4000), max_size=30), st.sampled_from([2, 32]),
+       st.lists(st.integers(0, 10**6), max_size=20))
+def test_the_pool_rows_of_poisoned_pages_are_numpys(pages: list[int], rows: int,
+                                                     lead: list[int]) -> None:
+    p = np.array(pages, dtype=np.int64)
+    ahead = np.array(lead, dtype=np.int64)
+    want = np.concatenate([ahead, (p[:, None] * rows + np.arange(rows)).ravel()])
+    got = prepk.pool_rows(p, rows, ahead)
+    assert got.dtype == want.dtype and np.array_equal(got, want)
 
 
 def test_the_switch_is_on_by_default() -> None:

@@ -310,7 +310,8 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
         arrays["wpages"] = p.wpages
     p.graph = graphs.block(st.graph_caps, b, arrays, p.ops, p.wpages, p.wcheck, prev, ok,
                            p.groups, st.graphs) if st.graphs is not None else None
-    dv = stage(chunk, arrays)
+    dv = blockpack.stage_graph(chunk, arrays, p.ops) if p.graph is not None else \
+        stage(chunk, arrays)
     p.dv = Joined(p.dv, dv) if len(p.dv) else dv
     if p.graph is not None:
         graphs.span(dv)

@@ -140,3 +140,56 @@ def test_a_block_over_its_room_is_written_again_where_it_fits(tmp_path: Path,
         assert got[-1] == want[-1]
         for g, w in zip(got[:-1], want[:-1], strict=True):
             assert np.array_equal(g[0], w[0]) and g[1] == w[1] and g[2] == w[2]
+
+
+def _arrays(trace: TraceData) -> list[tuple[Any, dict[str, np.ndarray], dict[str, Any]]]:
+    """Every replayed step as the loop gets it (staged, uploaded): (graph key, each array's
+    values by name, its slots)."""
+    slots, _, last = truth_shape(trace)
+    st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                   free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+    return [(p.graph, {k: p.dv[k].numpy().copy() for k in p.dv}, dict(p.dv.slots))
+            for p in prepare.prepared_steps(trace, st, "cpu")]
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("name", ["big", "clean_mtp", "overlap_uncorrected",
+                                  "plan_keyed_by_batch", "reserved_table_fa2",
+                                  "stale_graph_pages"])
+def test_what_a_graph_block_holds_is_read_from_it(tmp_path: Path, name: str, pack: bool,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph step's events' rows, touched pages and target pages are views of its block's
+    fields (`blockpack.rest_slots`), both ways of staging it: each the values it has staged on
+    its own, and inside the block."""
+    trace = load_trace(named_trace(tmp_path, name, 9))
+    monkeypatch.setattr(prepare, "PACK", pack)
+    got = _arrays(trace)
+    monkeypatch.setattr(blockpack, "rest_slots",
+                        lambda chunk, rest, ops, at: {n: chunk.add(a) for n, a in rest.items()})
+    want = _arrays(trace)
+    viewed = 0
+    for (key, g, slots), (_, w, _) in zip(got, want, strict=True):
+        assert list(g) == list(w)
+        for k in g:
+            assert np.array_equal(g[k], w[k]), k
+        if key is None:
+            continue
+        (size,), _, start = slots["gblk"]
+        inside = [k for k in g if k.startswith("ev") or k in ("touched", "wpages")]
+        assert all(start <= slots[k][2] < start + size for k in inside)
+        viewed += len(inside)
+    assert viewed > 0
+
+
+def test_events_rows_are_viewed_one_after_the_other_in_the_ops_order() -> None:
+    """Several runs of poisoned rows lie in gr_prows in the order of the step's operations,
+    whatever the order they were staged in; what the block does not hold is staged."""
+    chunk = Chunk("cpu")
+    rest = {"ev1": np.arange(3), "seq_lens": np.arange(2), "ev0": np.arange(5),
+            "touched": np.arange(4), "wpages": np.arange(6)}
+    at = {"gr_prows": 100, "gr_touched": 50, "gr_wpages": 70}
+    got = blockpack.rest_slots(chunk, rest, [("nan", 0, 0, 0), ("nan", 1, 0, 0)], at.__getitem__)
+    assert list(got) == list(rest) and chunk.n == 2
+    assert got == {"ev1": ((3,), (1,), 105), "seq_lens": ((2,), (1,), 0),
+                   "ev0": ((5,), (1,), 100), "touched": ((4,), (1,), 50),
+                   "wpages": ((6,), (1,), 70)}

@@ -89,7 +89,7 @@ class HostState:
     ends: dict[int, set[int]] | None = None  # step -> the requests `last` ends there
     # the last admitted step's requests and their slots: a step of the same requests has
     # them all live (none ended: each was in this step), so the same slots (`truthprep.admit`)
-    held: tuple[np.ndarray, np.ndarray] | None = None
+    held: tuple[bytes, np.ndarray] | None = None
     seconds: float = 0.0
     step_seconds: dict[int, float] = field(default_factory=dict)  # step -> its `prepare_step` time
     # the last prepared step's rewind (pool rows, pages): applied before the next step's events

@@ -69,8 +69,11 @@ def _ints(requests: list[int] | np.ndarray) -> list[int]:
 def admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
     """Truth slots of the step's rows; new requests that start at committed > 0 get their prefix
     (prompt tokens 0..committed-1) written into the store (`fill_*` arrays)."""
-    if prepk.ENABLED and st.held is not None and np.array_equal(b.requests, st.held[0]):
-        return st.held[1], False  # the last step's requests, all live: their slots
+    # the last step's requests, all live: their slots. Compared as bytes (the same dtype, the
+    # same values): 0.14 against np.array_equal's 3.9 µs at batch 64 on a development machine
+    held = b.requests.tobytes()
+    if prepk.ENABLED and st.held is not None and held == st.held[0]:
+        return st.held[1], False
     fs: list[np.ndarray] = []
     ft: list[np.ndarray] = []
     requests = b.requests.tolist()
@@ -78,7 +81,7 @@ def admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[n
         fs.append(np.full(len(toks), s, dtype=np.int64))
         ft.append(np.asarray(toks, dtype=np.int64))
     slots = np.array([st.slot[r] for r in requests], dtype=np.int64)
-    st.held = (b.requests, slots)
+    st.held = (held, slots)
     if not fs:
         return slots, False
     pos = np.concatenate([np.arange(len(t)) for t in ft])

@@ -161,8 +161,8 @@ def rest_slots(chunk: Chunk, rest: dict[str, np.ndarray], ops: list[Any],
 
 @lru_cache(maxsize=64)
 def _field_at(key: Any) -> dict[str, int]:
-    """Graph `key`'s block: array name -> its field's first word in the block."""
-    return {name: graphs.offsets(key)[field][0] for field, name, _ in graphs._FIELDS}
+    """Graph `key`'s block: array name -> its field's first word in the block (`_fields`)."""
+    return {f[0]: f[-1] for f in _fields(key)}
 
 
 @lru_cache(maxsize=64)

@@ -24,14 +24,18 @@ from gpu_backend.truthprep import truth_shape
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
 
 
+def _state(trace: TraceData) -> HostState:
+    slots, _, last = truth_shape(trace)
+    return HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
+                     free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+
+
 def _steps(trace: TraceData, words: int = 0) -> list[tuple[Any, ...]]:
     """Every replayed step prepared into a chunk of its own (`Chunk(words=)`: written in
     place, from a buffer of that many words): (its chunk's words, its views
     (name -> slot, in order), graph key, wpages, wcheck, wok, then its other fields), then the
     host state after the last one."""
-    slots, _, last = truth_shape(trace)
-    st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
-                   free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+    st = _state(trace)
     flight = prepare.in_flight_poison(trace)
     out = []
     for s in prepare.replayed(trace):
@@ -99,9 +103,7 @@ def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path) -> None:
     nothing and grows no capacity, and `prepare` stages the step its own way (as when
     FlashInfer's planner would refuse the page counts)."""
     trace = load_trace(named_trace(tmp_path, "big", 3))
-    slots, _, last = truth_shape(trace)
-    st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
-                   free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+    st = _state(trace)
     seen: list[Any] = []
     real = blockpack.packed
 
@@ -145,9 +147,7 @@ def test_a_block_over_its_room_is_written_again_where_it_fits(tmp_path: Path,
 def _arrays(trace: TraceData) -> list[tuple[Any, dict[str, np.ndarray], dict[str, Any]]]:
     """Every replayed step as the loop gets it (staged, uploaded): (graph key, each array's
     values by name, its slots)."""
-    slots, _, last = truth_shape(trace)
-    st = HostState(trace, GUARD_PAGES, trace.model.max_position, last=last,
-                   free=list(range(slots))[::-1], graphs=Planner.for_model(trace.model, H200))
+    st = _state(trace)
     return [(p.graph, {k: p.dv[k].numpy().copy() for k in p.dv}, dict(p.dv.slots))
             for p in prepare.prepared_steps(trace, st, "cpu")]
 

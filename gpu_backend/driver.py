@@ -49,7 +49,6 @@ from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, replayed
 from gpu_backend.readback import Pending, Sent, drain, send, settle
 from gpu_backend.result import ReplayResult
-from gpu_backend.steer import Steer
 from gpu_backend.tracedata import TraceData
 from gpu_backend.truthprep import truth_shape
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
@@ -142,21 +141,6 @@ def _frozen_heap() -> Iterator[None]:
 def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,
             skip: dict[int, str], on_step: Callable[[int, str], None] | None,
             make_watch: Callable[[KVPool], Watch], workers: int) -> ReplayResult:
-    # the loop's thread on the host's quickest CPUs (`gpu_backend.steer`): a look now, before
-    # the prompts' step's preparation, then after the steps it queues
-    steer = Steer(torch.device(device).type == "cuda")
-    steer.tick()
-    try:
-        res = _steered(trace, kernels, device, tol, skip, on_step, make_watch, workers, steer)
-    finally:
-        steer.close()
-    res.stats |= steer.stats()
-    return res
-
-
-def _steered(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,
-             skip: dict[int, str], on_step: Callable[[int, str], None] | None,
-             make_watch: Callable[[KVPool], Watch], workers: int, steer: Steer) -> ReplayResult:
     m = trace.model
     dt = torch_dtype(m.dtype)
     pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt, device)
@@ -177,8 +161,7 @@ def _steered(trace: TraceData, kernels: Kernels, device: torch.device | str, tol
         try:
             # a worker's chunk may wait for slots the loop frees as it judges: no bank there
             ahead = Ahead(steps, 0 if workers else BANK)
-            _loop(trace, kernels, pool, truth, watch, graphs, ahead, res, skip, on_step,
-                  steer.tick)
+            _loop(trace, kernels, pool, truth, watch, graphs, ahead, res, skip, on_step)
         finally:  # what the preparation left to undo once the device is done with it (the
             # workers' slots registered with CUDA), outside the timed steps
             for undo in state.cleanup:
@@ -239,7 +222,7 @@ class Ahead:
 def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, watch: Watch,
           graphs: StepGraphs | None, steps: Ahead,
           res: ReplayResult, skip: dict[int, str],
-          on_step: Callable[[int, str], None] | None, tick: Callable[[], None]) -> None:
+          on_step: Callable[[int, str], None] | None) -> None:
     """Every prepared step: queue its device work, read back and judge the steps before it.
     Where the host would wait for the device, it prepares steps ahead instead (`Ahead`)."""
     pending: list[Pending] = []
@@ -276,7 +259,6 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
                 graphs.seal()  # the next read-back's steps in an arena of their own
         if graphs is not None and nxt is not None:
             graphs.ahead(nxt)  # while the device runs p (and a settle below waits for it)
-        tick()  # the loop's CPU still quick (`Steer`), while the device runs p
         if wait_all:
             steps.fill(sent[-1].ready if sent else None)
             settle(res, sent, watch)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import gc
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, closing, contextmanager, nullcontext
+from contextlib import closing, contextmanager
 from typing import Protocol
 
 import torch
@@ -49,7 +49,6 @@ from gpu_backend.pool import KVPool, content_kv_q, torch_dtype
 from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps, replayed
 from gpu_backend.readback import Pending, Sent, drain, send, settle
 from gpu_backend.result import ReplayResult
-from gpu_backend.sideerr import Gate, late_errors, loop_stream
 from gpu_backend.tracedata import TraceData
 from gpu_backend.truthprep import truth_shape
 from gpu_backend.watch import FullWatch, IncrementalWatch, Unseen, Watch
@@ -114,7 +113,7 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     # with glibc's defaults much of the preparation's arrays is new memory every step, a page
     # fault each 4 KiB: a 64 x 2k prompts' step is prepared in 0.8x the time here (`sim.heap`).
     # Not trimmed at the end (`TRIM`)
-    with _frozen_heap(), heap.kept(trim=TRIM), _replay_stream(kernels, device):
+    with _frozen_heap(), heap.kept(trim=TRIM):
         if watch == "incremental" and not skip:
             try:
                 return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch, n)
@@ -137,17 +136,6 @@ def _frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
-
-
-def _replay_stream(kernels: Kernels, device: torch.device | str
-                   ) -> AbstractContextManager[object]:
-    """The stream the replay queues on: above the reference's in priority where its errors go
-    there too (`oracle.SIDE_ERRORS`, `sideerr.loop_stream`), else the current one."""
-    if not (oracle.SIDE_ERRORS and _reference_beside(kernels, device)):
-        return nullcontext()
-    dev = torch.device(device)
-    return torch.cuda.stream(loop_stream(dev.index if dev.index is not None
-                                         else torch.cuda.current_device()))
 
 
 def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,
@@ -241,14 +229,11 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
     sent: deque[Sent] = deque()
     tokens = since = 0
     left = len(replayed(trace))  # the steps the loop runs
-    gate: Gate | None = None  # a step's reference and errors still on the side (`sideerr`)
     nxt = steps.next()
     while nxt is not None:
         p = nxt
         if on_step:
             on_step(p.step.step, "start")
-        if gate is not None and (gate.done.query() or _waits(gate, p)):
-            gate = None
         got, known = None, False
         if graphs is not None and p.graph is not None:
             nxt, known = steps.next(), True  # whether p is the last
@@ -262,8 +247,6 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
                 nxt = steps.next()
             got = finish(nxt)
         pending.append(got)
-        if got.side is not None:
-            gate = got.side[1]
         tokens += p.b.num_tokens
         since += 1
         left -= 1
@@ -286,15 +269,6 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
             drain(res, sent, watch, LEAD)
         if on_step:
             on_step(p.step.step, "done")
-
-
-def _waits(gate: Gate, p: Prepared) -> bool:
-    """Whether step p writes truth that the side stream's pending reference reads: p's work
-    then waits for it."""
-    if not gate.hits(p.b, p.fill):
-        return False
-    torch.cuda.current_stream().wait_event(gate.done)
-    return True
 
 
 def _apply_events(pool: KVPool, p: Prepared) -> None:
@@ -368,26 +342,17 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
     if events is not None:
         events()
     b = p.b
-    late = events is not None and truth.side is not None and oracle.SIDE_ERRORS
     try:
         if b.step in skip:
-            late = False
             watch.on_fault()
             return lambda nxt: Pending(p, None, None, skip[b.step])
         out = kernels.run_step(pool, b, p.rows, p.dv, kv[0], kv[1], q)
     except KernelFault as e:
-        late = False
         watch.on_fault()
         msg = str(e)
         return lambda nxt: Pending(p, None, None, msg)
     finally:  # before anything after the step reads what the reference reads or writes
-        if not late:  # else the errors go on the reference's stream (`sideerr`)
-            join(truth.side)
-    if late:
-        assert truth.side is not None and ref is not None
-        tok, done = late_errors(truth.side, out, ref, (q, tq))
-        side = (truth.side, Gate(p.b, done))
-        return lambda nxt: Pending(p, tok, watch.after_kernels(p, nxt, nxt is None), side=side)
+        join(truth.side)
     if ref is None:
         ref = reference(truth, p.dv, p.groups, q if tq is None else tq)
     tok = token_errors(out, ref)

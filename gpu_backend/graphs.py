@@ -332,11 +332,7 @@ class StepGraphs:
         first step from 1.9 to 12.5 ms on the H200: nothing here needs them (the side stream
         waits for the current one; the graph's memory comes from the replay's own pool)."""
         g = torch.cuda.CUDAGraph()
-        # at the replay's priority: the work it queues for real (the entry's memory) would
-        # otherwise wait behind the reference's launch, and the replay's stream behind it
-        # (`sideerr`; round 38's profile: the generation steps after the prompts' step)
-        cur = torch.cuda.current_stream()
-        side = torch.cuda.Stream(priority=cur.priority)
+        side, cur = torch.cuda.Stream(), torch.cuda.current_stream()
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             g.capture_begin(pool=self.pool_handle, capture_error_mode="thread_local")

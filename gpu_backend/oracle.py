@@ -35,10 +35,6 @@ FUSED = True  # the reference through gpu_backend.refattn (one Triton launch) wh
 # took 0.96-0.98x the time (round 27); a prompts' step did not move (its reference and prefill
 # each fill the device). False: in order on the replay's stream
 BESIDE = True
-# with BESIDE, the prompts' step's token errors on the reference's stream and the replay's
-# stream above it in priority (`gpu_backend.sideerr`): the generation steps after it run while
-# its reference does. False: the errors on the replay's stream, after a join
-SIDE_ERRORS = True
 # a step's context rows in one reference launch where the fused kernel runs, not one a row
 # (`refgroups.ref_groups(together=)`, `refattn.attend_rows`); False: one a row
 TOGETHER = True

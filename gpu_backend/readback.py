@@ -21,7 +21,6 @@ from gpu_backend.boxed import Boxed
 from gpu_backend.oracle import CORRUPT, FAULT, blame, judge
 from gpu_backend.prepare import Prepared
 from gpu_backend.result import Judged, ReplayResult
-from gpu_backend.sideerr import Gate
 from gpu_backend.watch import IncrementalWatch, Unseen, Watch
 
 
@@ -34,9 +33,6 @@ class Pending:
     tok: torch.Tensor | Boxed | None
     changed: torch.Tensor | Boxed | None
     fault: str = ""
-    # its token errors made on the reference's stream (`sideerr`): that stream, and what its
-    # work reads of the truth (`sideerr.Gate`)
-    side: tuple[torch.cuda.Stream, Gate] | None = None
 
 
 @dataclass
@@ -54,18 +50,7 @@ class Sent:
 
 
 def send(pending: list[Pending]) -> Sent:
-    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`.
-    A step's errors made on the reference's stream (`Pending.side`) are read back there, after
-    the current stream's work so far."""
-    side = next((x.side[0] for x in pending if x.side is not None), None)
-    if side is None:
-        return _send(pending)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        return _send(pending)
-
-
-def _send(pending: list[Pending]) -> Sent:
+    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
     first = pending[0].tok if pending else None
     if isinstance(first, Boxed) and all(isinstance(x.tok, Boxed) and x.tok.arena is first.arena
                                         for x in pending):

@@ -69,9 +69,10 @@ def _ints(requests: list[int] | np.ndarray) -> list[int]:
 def admit(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, bool]:
     """Truth slots of the step's rows; new requests that start at committed > 0 get their prefix
     (prompt tokens 0..committed-1) written into the store (`fill_*` arrays)."""
-    # the last step's requests, all live: their slots. Compared as bytes (the same dtype, the
-    # same values): 0.14 against np.array_equal's 3.9 µs at batch 64 on a development machine
-    held = b.requests.tobytes()
+    # the last step's requests, all live: their slots. Compared as their dtype and bytes (the
+    # same dtype and bytes: the same values): ~0.5 against np.array_equal's 3.9 µs at batch 64
+    # on a development machine
+    held = b.requests.dtype.str.encode() + b.requests.tobytes()
     if prepk.ENABLED and st.held is not None and held == st.held[0]:
         return st.held[1], False
     fs: list[np.ndarray] = []

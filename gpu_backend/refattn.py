@@ -41,7 +41,7 @@ from gpu_backend.tlaunch import Launcher
 def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
                    so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RAGGED: tl.constexpr):
+                   RAGGED: tl.constexpr, ONE_PV: tl.constexpr):
     # the device starts programs in order, axis 0 first: a row's programs one after the other
     # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
     # otherwise spread each wave over every row), and within a row the last tile of queries
@@ -91,9 +91,12 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
         p = tl.exp(s - m_new[:, None])
         den = den * alpha + tl.sum(p, 1)
         v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
-        p_hi = p.to(v.dtype)
-        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+        if ONE_PV:  # P and V as fp16 (V's bf16 values in [-1, 1] are exact there): one product
+            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
+        else:
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
         m = m_new
     o = acc / den[:, None]
     tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
@@ -127,7 +130,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, q.stride(0),
            q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
            out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
-           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False)
+           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False, ONE_PV=ONE_PV)
     return out
 
 
@@ -154,7 +157,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
-           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True)
+           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, ONE_PV=ONE_PV)
     return out
 
 
@@ -165,6 +168,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
 # 24) but not in a whole replay. The others: 3 stages 0.96x 2's at a 64 x 2k prompts' step
 # (round 28: 9.00 against 9.37 ms)
 STEP_LAUNCH = (64, 4, 2)
+ONE_PV = False  # probe (round 39): P·V as one fp16 product instead of bf16 hi + lo
 ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
 

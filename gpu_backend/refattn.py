@@ -38,10 +38,44 @@ from gpu_backend.tlaunch import Launcher
 
 
 @triton.jit
+def _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D: tl.constexpr,
+           BLOCK_N: tl.constexpr, MASK: tl.constexpr, LOG2: tl.constexpr):
+    """One block of keys n0 .. n0 + BLOCK_N - 1 into the online softmax (m, den, acc); MASK:
+    keys past a query's limit or past hi are masked (else every key is seen by every query);
+    LOG2: c folds log2(e) in and the exponentials are exp2."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, D)
+    inside = (n < hi)[:, None]
+    if MASK:
+        k = tl.load(base + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
+    else:
+        k = tl.load(base + n[:, None] * skv_l + d[None, :])
+    s = tl.dot(q, tl.trans(k)) * c
+    if MASK:
+        s = tl.where(n[None, :] <= lim[:, None], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    if LOG2:
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    else:
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+    den = den * alpha + tl.sum(p, 1)
+    if MASK:
+        v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
+    else:
+        v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :])
+    p_hi = p.to(v.dtype)
+    p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+    acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+    return m_new, den, acc
+
+
+@triton.jit
 def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
                    so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RAGGED: tl.constexpr, ONE_PV: tl.constexpr):
+                   RAGGED: tl.constexpr, LEAN: tl.constexpr):
     # the device starts programs in order, axis 0 first: a row's programs one after the other
     # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
     # otherwise spread each wave over every row), and within a row the last tile of queries
@@ -80,24 +114,24 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    for n0 in range(0, hi, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        inside = (n < hi)[:, None]
-        k = tl.load(base + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        s = tl.where(n[None, :] <= lim[:, None], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        den = den * alpha + tl.sum(p, 1)
-        v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
-        if ONE_PV:  # P and V as fp16 (V's bf16 values in [-1, 1] are exact there): one product
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16))
-        else:
-            p_hi = p.to(v.dtype)
-            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-            acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-        m = m_new
+    if LEAN:
+        # the blocks of keys every query of the tile sees are not masked (a causal prompt's
+        # tile masks one or two blocks, not all of them): the same bits without the compares.
+        # The logits in log2 units (scale * log2(e) folded into one multiply), as tl.exp would
+        # take them anyway: exp2(s - m) is then one fused multiply-add and an ex2
+        seen = tl.minimum(tl.min(tl.where(valid, lim, L), 0) + 1, hi)
+        full = seen // BLOCK_N * BLOCK_N
+        c = scale * 1.4426950408889634
+        for n0 in range(0, full, BLOCK_N):
+            m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
+                                 BLOCK_N, False, True)
+        for n0 in range(full, hi, BLOCK_N):
+            m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
+                                 BLOCK_N, True, True)
+    else:
+        for n0 in range(0, hi, BLOCK_N):
+            m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, scale, skv_kv, skv_l, D,
+                                 BLOCK_N, True, False)
     o = acc / den[:, None]
     tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
 
@@ -130,7 +164,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, q.stride(0),
            q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
            out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
-           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False, ONE_PV=ONE_PV)
+           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False, LEAN=LEAN)
     return out
 
 
@@ -157,7 +191,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
-           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, ONE_PV=ONE_PV)
+           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, LEAN=LEAN)
     return out
 
 
@@ -168,7 +202,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
 # 24) but not in a whole replay. The others: 3 stages 0.96x 2's at a 64 x 2k prompts' step
 # (round 28: 9.00 against 9.37 ms)
 STEP_LAUNCH = (64, 4, 2)
-ONE_PV = False  # probe (round 39): P·V as one fp16 product instead of bf16 hi + lo
+LEAN = False  # probe (round 39): unmasked blocks where every query sees the keys, exp2
 ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
 

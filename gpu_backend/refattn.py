@@ -39,10 +39,11 @@ from gpu_backend.tlaunch import Launcher
 
 @triton.jit
 def _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D: tl.constexpr,
-           BLOCK_N: tl.constexpr, MASK: tl.constexpr, LOG2: tl.constexpr):
+           BLOCK_N: tl.constexpr, MASK: tl.constexpr, LOG2: tl.constexpr, LAZY: tl.constexpr):
     """One block of keys n0 .. n0 + BLOCK_N - 1 into the online softmax (m, den, acc); MASK:
     keys past a query's limit or past hi are masked (else every key is seen by every query);
-    LOG2: c folds log2(e) in and the exponentials are exp2."""
+    LOG2: c folds log2(e) in and the exponentials are exp2; LAZY: the running max moves (and
+    den and acc are rescaled) only when some query's max rose by more than 8 (P <= 2^8 else)."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     inside = (n < hi)[:, None]
@@ -54,28 +55,40 @@ def _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D: tl.constexpr,
     if MASK:
         s = tl.where(n[None, :] <= lim[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    if LOG2:
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+    if LAZY:
+        if tl.max(m_new - m, 0) > 8.0:
+            alpha = tl.exp2(m - m_new)
+            den = den * alpha
+            acc = acc * alpha[:, None]
+            m = m_new
+        p = tl.exp2(s - m[:, None])
+        den = den + tl.sum(p, 1)
     else:
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-    den = den * alpha + tl.sum(p, 1)
+        if LOG2:
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+        else:
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        m = m_new
     if MASK:
         v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
     else:
         v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :])
     p_hi = p.to(v.dtype)
     p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-    acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-    return m_new, den, acc
+    acc = acc + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+    return m, den, acc
 
 
 @triton.jit
 def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
                    so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RAGGED: tl.constexpr, LEAN: tl.constexpr):
+                   RAGGED: tl.constexpr, SPLIT: tl.constexpr, LOG2: tl.constexpr,
+                   LAZY: tl.constexpr):
     # the device starts programs in order, axis 0 first: a row's programs one after the other
     # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
     # otherwise spread each wave over every row), and within a row the last tile of queries
@@ -114,24 +127,20 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    if LEAN:
+    # LOG2 (or LAZY): the logits in log2 units, scale * log2(e) folded into one multiply (tl.exp
+    # takes them there anyway), exp2(s - m) then one fused multiply-add and an ex2
+    c = scale * 1.4426950408889634 if LOG2 or LAZY else scale
+    full = 0
+    if SPLIT:
         # the blocks of keys every query of the tile sees are not masked (a causal prompt's
-        # tile masks one or two blocks, not all of them): the same bits without the compares.
-        # The logits in log2 units (scale * log2(e) folded into one multiply), as tl.exp would
-        # take them anyway: exp2(s - m) is then one fused multiply-add and an ex2
-        seen = tl.minimum(tl.min(tl.where(valid, lim, L), 0) + 1, hi)
-        full = seen // BLOCK_N * BLOCK_N
-        c = scale * 1.4426950408889634
+        # tile masks one or two blocks, not all of them): the same bits without the compares
+        full = tl.minimum(tl.min(tl.where(valid, lim, L), 0) + 1, hi) // BLOCK_N * BLOCK_N
         for n0 in range(0, full, BLOCK_N):
             m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
-                                 BLOCK_N, False, True)
-        for n0 in range(full, hi, BLOCK_N):
-            m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
-                                 BLOCK_N, True, True)
-    else:
-        for n0 in range(0, hi, BLOCK_N):
-            m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, scale, skv_kv, skv_l, D,
-                                 BLOCK_N, True, False)
+                                 BLOCK_N, False, LOG2, LAZY)
+    for n0 in range(full, hi, BLOCK_N):
+        m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
+                             BLOCK_N, True, LOG2, LAZY)
     o = acc / den[:, None]
     tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
 
@@ -164,7 +173,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, q.stride(0),
            q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
            out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
-           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False, LEAN=LEAN)
+           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False, **_lean(g * W))
     return out
 
 
@@ -191,7 +200,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
-           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, LEAN=LEAN)
+           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, **_lean(g * W))
     return out
 
 
@@ -202,9 +211,17 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
 # 24) but not in a whole replay. The others: 3 stages 0.96x 2's at a 64 x 2k prompts' step
 # (round 28: 9.00 against 9.37 ms)
 STEP_LAUNCH = (64, 4, 2)
-LEAN = False  # probe (round 39): unmasked blocks where every query sees the keys, exp2
+# (SPLIT, LOG2, LAZY) of `_attend_kernel`, by kind of launch as the launch settings: a step's
+# and the others' (probe, round 39)
+STEP_LEAN = (False, False, False)
+ROWS_LEAN = (False, False, False)
 ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
+
+
+def _lean(queries: int) -> dict[str, bool]:
+    split, log2, lazy = STEP_LEAN if queries <= ONE_TILE else ROWS_LEAN
+    return {"SPLIT": split, "LOG2": log2, "LAZY": lazy}
 
 
 def _launch(queries: int) -> tuple[int, Launcher]:

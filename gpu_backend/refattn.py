@@ -16,7 +16,10 @@ only (checked against fp64 on the H200: docs/gpu.md).
 
 Masking: query j of row r sees keys 0..limit[r, j], limit non-decreasing in j (causal rows);
 keys past the last limit of a program's tile of queries are not visited at all (exp(-inf) is
-exactly 0, so skipping them changes nothing).
+exactly 0, so skipping them changes nothing). A launch of more than ONE_TILE queries a row and kv
+head (prompts, chunks) masks only the blocks of keys some query of the tile does not see, and
+takes its exponentials as exp2 with log2(e) folded into the scale (`LEAN`, round 39: 0.91x the
+time of a 64 x 2k prompts' step, within 2e-7 of its error from fp64).
 """
 
 from __future__ import annotations
@@ -39,11 +42,10 @@ from gpu_backend.tlaunch import Launcher
 
 @triton.jit
 def _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D: tl.constexpr,
-           BLOCK_N: tl.constexpr, MASK: tl.constexpr, LOG2: tl.constexpr, LAZY: tl.constexpr):
-    """One block of keys n0 .. n0 + BLOCK_N - 1 into the online softmax (m, den, acc); MASK:
-    keys past a query's limit or past hi are masked (else every key is seen by every query);
-    LOG2: c folds log2(e) in and the exponentials are exp2; LAZY: the running max moves (and
-    den and acc are rescaled) only when some query's max rose by more than 8 (P <= 2^8 else)."""
+           BLOCK_N: tl.constexpr, MASK: tl.constexpr, LOG2: tl.constexpr):
+    """Keys n0 .. n0 + BLOCK_N - 1 into the online softmax (m, den, acc); MASK: keys past a
+    query's limit or past hi are masked (else every query sees every key of the block); LOG2:
+    c has log2(e) folded in and the exponentials are exp2."""
     n = n0 + tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
     inside = (n < hi)[:, None]
@@ -55,40 +57,28 @@ def _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D: tl.constexpr,
     if MASK:
         s = tl.where(n[None, :] <= lim[:, None], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
-    if LAZY:
-        if tl.max(m_new - m, 0) > 8.0:
-            alpha = tl.exp2(m - m_new)
-            den = den * alpha
-            acc = acc * alpha[:, None]
-            m = m_new
-        p = tl.exp2(s - m[:, None])
-        den = den + tl.sum(p, 1)
+    if LOG2:
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
     else:
-        if LOG2:
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-        else:
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-        den = den * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        m = m_new
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+    den = den * alpha + tl.sum(p, 1)
     if MASK:
         v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :], mask=inside, other=0.0)
     else:
         v = tl.load(base + skv_kv + n[:, None] * skv_l + d[None, :])
     p_hi = p.to(v.dtype)
     p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
-    acc = acc + tl.dot(p_hi, v) + tl.dot(p_lo, v)
-    return m, den, acc
+    acc = acc * alpha[:, None] + tl.dot(p_hi, v) + tl.dot(p_lo, v)
+    return m_new, den, acc
 
 
 @triton.jit
 def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, skv_h, skv_l,
                    so_r, so_w, so_h, sl_r, W, G, L, HKV, scale,
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   RAGGED: tl.constexpr, SPLIT: tl.constexpr, LOG2: tl.constexpr,
-                   LAZY: tl.constexpr):
+                   RAGGED: tl.constexpr, LEAN: tl.constexpr):
     # the device starts programs in order, axis 0 first: a row's programs one after the other
     # (its K/V stays in L2 while its tiles read it; a launch of many prompt rows would
     # otherwise spread each wave over every row), and within a row the last tile of queries
@@ -127,20 +117,24 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
     m = tl.full([BLOCK_M], -1.0e30, tl.float32)
     den = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
-    # LOG2 (or LAZY): the logits in log2 units, scale * log2(e) folded into one multiply (tl.exp
-    # takes them there anyway), exp2(s - m) then one fused multiply-add and an ex2
-    c = scale * 1.4426950408889634 if LOG2 or LAZY else scale
-    full = 0
-    if SPLIT:
-        # the blocks of keys every query of the tile sees are not masked (a causal prompt's
-        # tile masks one or two blocks, not all of them): the same bits without the compares
+    if LEAN:
+        # the blocks of keys every query of the tile sees go unmasked (a causal prompt's tile
+        # masks its last one or two), and the logits are in log2 units, scale * log2(e) in one
+        # multiply (tl.exp takes them there anyway): 0.91x the time of a 64 x 2k prompts' step
+        # (round 39). Splitting the loop cost a generation step's launch 1.22x (its ~33 blocks
+        # in two pipelined loops), so it takes the other way
+        c = scale * 1.4426950408889634
         full = tl.minimum(tl.min(tl.where(valid, lim, L), 0) + 1, hi) // BLOCK_N * BLOCK_N
         for n0 in range(0, full, BLOCK_N):
             m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
-                                 BLOCK_N, False, LOG2, LAZY)
-    for n0 in range(full, hi, BLOCK_N):
-        m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
-                             BLOCK_N, True, LOG2, LAZY)
+                                 BLOCK_N, False, True)
+        for n0 in range(full, hi, BLOCK_N):
+            m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, c, skv_kv, skv_l, D,
+                                 BLOCK_N, True, True)
+    else:
+        for n0 in range(0, hi, BLOCK_N):
+            m, den, acc = _block(q, base, n0, hi, lim, m, den, acc, scale, skv_kv, skv_l, D,
+                                 BLOCK_N, True, False)
     o = acc / den[:, None]
     tl.store(OUT + at_o[:, None] + head[:, None] * so_h + d[None, :], o, mask=valid[:, None])
 
@@ -173,7 +167,8 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, limit, out, q.stride(0),
            q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
            out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
-           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False, **_lean(g * W))
+           1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False,
+           LEAN=LEAN and g * W > ONE_TILE)
     return out
 
 
@@ -185,7 +180,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     as a causal context row's), over slot slots[r]; every row has a query; W: the longest row,
     L: the keys any row reads. Writes those tokens of out [n, Hq, D] fp32 (the step's) and
     nothing else. A row's bits are those of its own `attend` launch with the same tiles (W's
-    tile height)."""
+    tile height and kind of launch)."""
     n, Hq, D = q.shape
     hkv = int(kv.shape[2])
     g, R = Hq // hkv, int(rows.shape[1])
@@ -200,7 +195,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
-           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, **_lean(g * W))
+           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, LEAN=LEAN and g * W > ONE_TILE)
     return out
 
 
@@ -211,17 +206,11 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
 # 24) but not in a whole replay. The others: 3 stages 0.96x 2's at a 64 x 2k prompts' step
 # (round 28: 9.00 against 9.37 ms)
 STEP_LAUNCH = (64, 4, 2)
-# (SPLIT, LOG2, LAZY) of `_attend_kernel`, by kind of launch as the launch settings: a step's
-# and the others' (probe, round 39)
-STEP_LEAN = (False, False, False)
-ROWS_LEAN = (False, False, False)
 ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
-
-
-def _lean(queries: int) -> dict[str, bool]:
-    split, log2, lazy = STEP_LEAN if queries <= ONE_TILE else ROWS_LEAN
-    return {"SPLIT": split, "LOG2": log2, "LAZY": lazy}
+# the others' launches lean (`_attend_kernel`): False gives round 38's kernel, for pairs
+# (`bench/gpu_pair.py --set refattn.LEAN=False`)
+LEAN = True
 
 
 def _launch(queries: int) -> tuple[int, Launcher]:

@@ -153,6 +153,28 @@ def test_reference_kernel_on_causal_prompts(fused: ModuleType) -> None:
     assert torch.equal(out[:, 0], kv[1, slots, :, 0].float().repeat_interleave(Hq // Hkv, 1))
 
 
+@pytest.mark.parametrize("committed", [0, 63, 64, 65, 200])
+def test_lean_reference_kernel_at_the_edges_of_its_unmasked_blocks(fused: ModuleType,
+                                                                   committed: int) -> None:
+    # a launch of more than ONE_TILE queries a kv head goes lean (`_attend_kernel`'s LEAN): the
+    # blocks every query of a tile sees unmasked. 17 queries x 4 group heads: two tiles of 64,
+    # the second 4 queries and 60 of padding; committed keys around the 64-key blocks' edges
+    g = torch.Generator(device=DEV).manual_seed(17 + committed)
+    R, W, Hq, Hkv, D = 3, 17, 32, 8, 128
+    assert Hq // Hkv * W > fused.ONE_TILE
+    span = committed + W + 5
+    kv = (torch.rand(2, R + 1, Hkv, span, D, device=DEV, generator=g) * 2 - 1).bfloat16()
+    q = ((torch.rand(R, W, Hq, D, device=DEV, generator=g) * 2 - 1) * 4).bfloat16()
+    slots = torch.tensor([2, 0, 3], device=DEV)
+    limit = (committed + torch.arange(W, device=DEV))[None, :].repeat(R, 1)
+    L = committed + W
+    out = fused.attend(q, kv, slots, limit, L)
+    ref = _fp64(q, kv[0, slots, :, :L], kv[1, slots, :, :L], limit)
+    assert (out.double() - ref).abs().max().item() < 3e-6
+    if committed == 0:  # query 0 sees key 0 alone: its output is V_0, exactly
+        assert torch.equal(out[:, 0], kv[1, slots, :, 0].float().repeat_interleave(4, 1))
+
+
 @pytest.mark.parametrize("committed", [0, 37])
 def test_context_rows_in_one_launch_are_each_rows_own(fused: ModuleType, committed: int) -> None:
     # `attend_rows`: rows of several lengths (each >= 16 queries a group head: the tiles of

@@ -15,7 +15,7 @@ views and groups).
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ from gpu_backend import fa2plan, graphs, prepk
 from gpu_backend.layout import StepBatch, stale_plan
 from gpu_backend.pool import M
 from gpu_backend.refgroups import RefGroup
-from gpu_backend.staging import ALIGN, Chunk, Slot, StepArrays
+from gpu_backend.staging import ALIGN, Chunk, Lazy, Slot, StepArrays
 from sim.jit_cache import drop_stale
 
 drop_stale(__file__)
@@ -74,29 +74,30 @@ def packed(caps: dict[tuple[int, int], Any], b: StepBatch, slots: np.ndarray,
     at, room = chunk.claim(_most(len(b.kv_indices), int(plan[0]), n, R, have, len(touched),
                                  len(prows)))
     got = _steady(*args, room)
-    size, cap, seq, tset, wpages, wcheck, wok, top, consecutive, low = got
+    size, cap, tset, wpages, wcheck, wok, top, consecutive, low = got
     if not size or size > len(room):  # not a graph step (or a bound too low: not written)
         chunk.trim(start)
         if not size:
             return None
         at, room = chunk.claim(size)
         got = _steady(*args, room)
-        size, cap, seq, tset, wpages, wcheck, wok, top, consecutive, low = got
-    chunk.trim(at + size)
+        size, cap, tset, wpages, wcheck, wok, top, consecutive, low = got
+    seq = _seq_at(size)
+    chunk.trim(at + seq + R)
     key = caps[(R, W)] = (R, W, *cap.tolist(), int(plan[0]))
-    rest = dict(arrays)  # the events' rows, in order
-    rest["seq_lens"] = seq
-    if len(touched):
-        rest["touched"] = tset
-    if len(wpages):
-        rest["wpages"] = wpages
     group = _group(R, W, top, int(slots[0]) if consecutive else -1, low)
-    return key, staged(chunk, key, at, size, rest, ops), (wpages, wcheck, wok), group
+    views = partial(_slots, key, at, size, seq, R, arrays, ops, len(tset), len(wpages))
+    return key, Lazy(chunk, views, ((size,), (1,), at)), (wpages, wcheck, wok), group
+
+
+def _seq_at(size: int) -> int:
+    """Where a block of `size` words puts seq_lens: the next aligned word (`Chunk.add`)."""
+    return size + (-size % ALIGN)
 
 
 def _group(R: int, W: int, top: int, s0: int, low: int) -> RefGroup:
     """RefGroup("g0_", R, W, top, s0, low, True, (0, R * W)) without the frozen dataclass's
-    __init__ (~4 µs a step; as `layout._new_batch`)."""
+    __init__ (~4 µs a step; as `layout.build_step` makes a StepBatch)."""
     g = object.__new__(RefGroup)
     g.__dict__.update(pre="g0_", R=R, W=W, L=top, s0=s0, lo=low, identity=True,
                       span=(0, R * W), ragged=False)
@@ -104,25 +105,39 @@ def _group(R: int, W: int, top: int, s0: int, low: int) -> RefGroup:
 
 
 def _most(pages: int, plan: int, n: int, R: int, have: Any, touched: int, prows: int) -> int:
-    """The most words the block of a step can take (`_pack`'s sizes, each field padded): its
-    distinct touched pages are at most `touched`, its target pages at most its `n` appends."""
-    return (pages + plan + 7 * n + 4 * R + 8 + 17 * ALIGN
+    """The most words the block of a step and its seq_lens can take (`_pack`'s sizes, each
+    field padded): its distinct touched pages are at most `touched`, its target pages at most
+    its `n` appends."""
+    return (pages + plan + 7 * n + 5 * R + 8 + 18 * ALIGN
             + max(have[3], graphs._cap(touched, 4 * R)) + max(have[4], graphs._cap(n, 4 * R))
             + max(have[5], graphs._cap(prows, 16 * R)))
 
 
-def staged(chunk: Chunk, key: Any, at: int, size: int, rest: dict[str, np.ndarray],
-           ops: list[Any]) -> StepArrays:
-    """The views of the block of `size` words at `at` in `chunk`, its fields' where `stage`
-    would have put each field's array, then `rest` (`rest_slots`), and the block itself as
-    `gblk`."""
+def _slots(key: Any, at: int, size: int, seq: int, R: int, arrays: dict[str, np.ndarray],
+           ops: list[Any], touched: int, wpages: int) -> dict[str, Slot]:
+    """The slots of a step `packed` wrote at `at` (the block of `size` words, seq_lens of R
+    at `seq` past it), as `stage_graph` makes them: its fields' where `stage` would have put
+    each field's array, then the events' rows (`arrays`' order), seq_lens, the distinct
+    touched pages and the target pages (when there are any: `rest_slots`' views), and the
+    block itself as `gblk`."""
     *fields, (name, off) = _fields(key)
     slots: dict[str, Slot] = {n: (shape, strides, at + o) for n, shape, strides, o in fields}
     slots[name] = ((size - off,), (1,), at + off)
     base = _field_at(key)
-    slots |= rest_slots(chunk, rest, ops, lambda f: at + base[f])
+    row = at + base["gr_prows"]
+    ev = {}
+    for _, a, _, _ in ops:
+        ev[f"ev{a}"] = row
+        row += len(arrays[f"ev{a}"])
+    for k, a in arrays.items():
+        slots[k] = ((len(a),), (1,), ev[k])
+    slots["seq_lens"] = ((R,), (1,), at + seq)
+    if touched:
+        slots["touched"] = ((touched,), (1,), at + base["gr_touched"])
+    if wpages:
+        slots["wpages"] = ((wpages,), (1,), at + base["gr_wpages"])
     slots["gblk"] = ((size,), (1,), at)
-    return StepArrays(chunk, slots)
+    return slots
 
 
 def stage_graph(chunk: Chunk, arrays: dict[str, np.ndarray], ops: list[Any]) -> StepArrays:
@@ -226,26 +241,26 @@ def _steady(tokens, app_rope, rope_pos, true_pos, committed, slots, app_row, app
     limit, consecutive, gtop, low = prepk.identity_group(committed, slots, W)
     if not same or (step[8] >= 0 and top >= step[8]):
         none = np.zeros(0, np.int64)
-        return (0, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_), gtop,
-                consecutive, low)
+        return 0, none, none, none, 0, np.zeros(0, np.bool_), gtop, consecutive, low
     tslot = np.empty(len(slots) * W, np.int64)
     for r in range(len(slots)):
         for j in range(W):
             tslot[r * W + j] = slots[r]
-    size, cap, seq, tset, wpages, wcheck, wok = _pack(
+    size, cap, tset, wpages, wcheck, wok = _pack(
         tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
         slots, limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step, plan_args,
         room)
-    return size, cap, seq, tset, wpages, wcheck, wok, gtop, consecutive, low
+    return size, cap, tset, wpages, wcheck, wok, gtop, consecutive, low
 
 
 @nb.njit(cache=True)
 def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
           g0_slots, g0_limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step,
           plan_args, room):  # pragma: no cover  (compiled; its oracle is `prepare._rest`'s)
-    """The block of `graphs.offsets`' layout, written into room[:size], and what `_rest`
-    stages beside it: (size (0: not a graph step; over len(room): nothing written), the
-    capacities [kv_indices, touched, targets, rows], seq_lens, the touched pages distinct,
+    """The block of `graphs.offsets`' layout, written into room[:size], then FlashInfer's
+    seq_lens at the next aligned word (where `rest_slots` stages it), and what `_rest` stages
+    beside them: (size (0: not a graph step; past len(room): nothing written, the words it
+    needs), the capacities [kv_indices, touched, targets, rows], the touched pages distinct,
     wpages, wcheck, wok). step: [pages in the pool, step, previous step, page size, the key's
     capacities so far (4)]; plan_args: `_plan_args`."""
     pages, page_size = step[0], step[3]
@@ -255,12 +270,12 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     W = q_len[0]
     for r in range(R):
         if q_len[r] != W:
-            return 0, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
+            return 0, none, none, none, 0, np.zeros(0, np.bool_)
     plan = np.zeros(words, np.int32)
     pa = plan_args
     if not fa2plan._fill(kv_indptr, pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], page_size,
                          pa[8], pa[9], pa[10], pa[11], pa[12], pa[13], pa[14], pa[15], plan):
-        return 0, none, np.zeros(0, np.int32), none, none, 0, np.zeros(0, np.bool_)
+        return 0, none, none, none, 0, np.zeros(0, np.bool_)
     tset = prepk.distinct(touched) if len(touched) else none
     wpages, wcheck, wok = prepk.targets(ew, pages, tset, len(touched) > 0, allowed, write_ok)
     cap = np.empty(4, np.int64)
@@ -279,8 +294,12 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
         at[i] = end
         end += sizes[i] + (-sizes[i] % ALIGN)
     size = at[-1] + len(kv_indices)
-    if size > len(room):
-        return size, cap, seq, tset, wpages, wcheck, wok
+    # seq_lens after the block, where `Chunk.add` would stage it next (`rest_slots`' order)
+    sat = size + (-size % ALIGN)
+    if sat + R > len(room):
+        return sat + R, cap, tset, wpages, wcheck, wok
+    room[size: sat] = 0
+    _field(room, sat, seq)
     block = room[:size]
     # past each field's values up to the next field, zeros (padding, params' last two words,
     # the capacities' unused part): the rest of the block is written once, not zeroed first
@@ -309,4 +328,4 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     _field(block, at[14], prows)
     _field(block, at[15], plan)
     _field(block, at[16], kv_indices)
-    return size, cap, seq, tset, wpages, wcheck, wok
+    return size, cap, tset, wpages, wcheck, wok

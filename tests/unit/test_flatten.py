@@ -5,6 +5,7 @@ scenarios and the fault catalog's traces."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ from replay_traces import FAULTS, SCENARIOS, any_trace
 from gpu_backend import flatten, hostpool
 from gpu_backend.flatnumpy import flat_numpy as _flat_numpy
 from gpu_backend.layout import (
+    _FIELDS,
     _FLAT,
     TAIL,
+    StepBatch,
     _flat_compiled,
     _flat_indices,
     _runs,
@@ -155,3 +158,21 @@ def test_the_steady_run_is_found_as_runs_finds_it(rows: list[tuple[bool, int]]) 
     is_ctx = np.array([c for c, _ in rows], dtype=bool)
     q_len = np.array([q for _, q in rows], dtype=np.int64)
     assert _steady_runs({"is_ctx": is_ctx, "q_len": q_len}) == _runs(is_ctx, q_len)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_built_step_has_every_field_of_its_dataclass_in_order(tmp_path: Path,
+                                                                 compiled: bool) -> None:
+    """`build_step` makes a StepBatch without its __init__ (one dict of every field): the
+    same fields, in the dataclass's order, each of the type its annotation says, and equal to
+    the batch its __init__ makes from them."""
+    t = load_trace(any_trace(tmp_path, "clean_mtp"))
+    for s in [x for x in t.steps if t.rows[x.step]][:3]:
+        b = build_step(s, t.rows[s.step], t.model.page_size, 16, compiled=compiled)
+        assert list(vars(b)) == list(_FIELDS)
+        for f in fields(StepBatch):
+            want = np.ndarray if f.type == "np.ndarray" else \
+                {"int": int, "str": str}.get(str(f.type), tuple)
+            assert isinstance(getattr(b, f.name), want), f.name
+        made = StepBatch(**vars(b))
+        assert all(getattr(made, k) is getattr(b, k) for k in _FIELDS)

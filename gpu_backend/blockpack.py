@@ -74,19 +74,19 @@ def packed(caps: dict[tuple[int, int], Any], b: StepBatch, slots: np.ndarray,
     at, room = chunk.claim(_most(len(b.kv_indices), int(plan[0]), n, R, have, len(touched),
                                  len(prows)))
     got = _steady(*args, room)
-    size, cap, tset, wpages, wcheck, wok, top, consecutive, low = got
+    size, cap, nset, wpages, wcheck, wok, top, consecutive, low = got
     if not size or size > len(room):  # not a graph step (or a bound too low: not written)
         chunk.trim(start)
         if not size:
             return None
         at, room = chunk.claim(size)
         got = _steady(*args, room)
-        size, cap, tset, wpages, wcheck, wok, top, consecutive, low = got
+        size, cap, nset, wpages, wcheck, wok, top, consecutive, low = got
     seq = _seq_at(size)
     chunk.trim(at + seq + R)
-    key = caps[(R, W)] = (R, W, *cap.tolist(), int(plan[0]))
+    key = caps[(R, W)] = (R, W, *cap, int(plan[0]))
     group = _group(R, W, top, int(slots[0]) if consecutive else -1, low)
-    views = partial(_slots, key, at, size, seq, R, arrays, ops, len(tset), len(wpages))
+    views = partial(_slots, key, at, size, seq, R, arrays, ops, nset, len(wpages))
     return key, Lazy(chunk, views, ((size,), (1,), at)), (wpages, wcheck, wok), group
 
 
@@ -241,16 +241,16 @@ def _steady(tokens, app_rope, rope_pos, true_pos, committed, slots, app_row, app
     limit, consecutive, gtop, low = prepk.identity_group(committed, slots, W)
     if not same or (step[8] >= 0 and top >= step[8]):
         none = np.zeros(0, np.int64)
-        return 0, none, none, none, 0, np.zeros(0, np.bool_), gtop, consecutive, low
+        return 0, (0, 0, 0, 0), 0, none, 0, np.zeros(0, np.bool_), gtop, consecutive, low
     tslot = np.empty(len(slots) * W, np.int64)
     for r in range(len(slots)):
         for j in range(W):
             tslot[r * W + j] = slots[r]
-    size, cap, tset, wpages, wcheck, wok = _pack(
+    size, cap, nset, wpages, wcheck, wok = _pack(
         tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, last_page_len,
         slots, limit, kv_indices, prows, touched, ew, write_ok, allowed, q_len, step, plan_args,
         room)
-    return size, cap, tset, wpages, wcheck, wok, gtop, consecutive, low
+    return size, cap, nset, wpages, wcheck, wok, gtop, consecutive, low
 
 
 @nb.njit(cache=True)
@@ -260,8 +260,8 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     """The block of `graphs.offsets`' layout, written into room[:size], then FlashInfer's
     seq_lens at the next aligned word (where `rest_slots` stages it), and what `_rest` stages
     beside them: (size (0: not a graph step; past len(room): nothing written, the words it
-    needs), the capacities [kv_indices, touched, targets, rows], the touched pages distinct,
-    wpages, wcheck, wok). step: [pages in the pool, step, previous step, page size, the key's
+    needs), the capacities (kv_indices, touched, targets, rows), how many distinct touched
+    pages, wpages, wcheck, wok). step: [pages in the pool, step, previous step, page size, the key's
     capacities so far (4)]; plan_args: `_plan_args`."""
     pages, page_size = step[0], step[3]
     words = plan_args[0]
@@ -270,19 +270,17 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     W = q_len[0]
     for r in range(R):
         if q_len[r] != W:
-            return 0, none, none, none, 0, np.zeros(0, np.bool_)
+            return 0, (0, 0, 0, 0), 0, none, 0, np.zeros(0, np.bool_)
     plan = np.zeros(words, np.int32)
     pa = plan_args
     if not fa2plan._fill(kv_indptr, pa[1], pa[2], pa[3], pa[4], pa[5], pa[6], pa[7], page_size,
                          pa[8], pa[9], pa[10], pa[11], pa[12], pa[13], pa[14], pa[15], plan):
-        return 0, none, none, none, 0, np.zeros(0, np.bool_)
+        return 0, (0, 0, 0, 0), 0, none, 0, np.zeros(0, np.bool_)
     tset = prepk.distinct(touched) if len(touched) else none
     wpages, wcheck, wok = prepk.targets(ew, pages, tset, len(touched) > 0, allowed, write_ok)
-    cap = np.empty(4, np.int64)
-    cap[0] = max(step[4], _cap(len(kv_indices), 1))
-    cap[1] = max(step[5], _cap(len(tset), 4 * R))
-    cap[2] = max(step[6], _cap(len(wpages), 4 * R))
-    cap[3] = max(step[7], _cap(len(prows), 16 * R))
+    # ints, not an array: each array a compiled call returns costs ~0.45 µs to box
+    cap = (max(step[4], _cap(len(kv_indices), 1)), max(step[5], _cap(len(tset), 4 * R)),
+           max(step[6], _cap(len(wpages), 4 * R)), max(step[7], _cap(len(prows), 16 * R)))
     seq = prepk.seq_lens(kv_indptr, last_page_len, page_size)
     n = R * W
     # the fields' lengths in `graphs._FIELDS`' order, kv_indices (last) at its own length
@@ -297,7 +295,7 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     # seq_lens after the block, where `Chunk.add` would stage it next (`rest_slots`' order)
     sat = size + (-size % ALIGN)
     if sat + R > len(room):
-        return sat + R, cap, tset, wpages, wcheck, wok
+        return sat + R, cap, len(tset), wpages, wcheck, wok
     room[size: sat] = 0
     _field(room, sat, seq)
     block = room[:size]
@@ -328,4 +326,4 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     _field(block, at[14], prows)
     _field(block, at[15], plan)
     _field(block, at[16], kv_indices)
-    return size, cap, tset, wpages, wcheck, wok
+    return size, cap, len(tset), wpages, wcheck, wok

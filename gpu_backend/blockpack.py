@@ -55,36 +55,61 @@ def packed(caps: dict[tuple[int, int], Any], b: StepBatch, slots: np.ndarray,
     its events' poisoned rows; `touched`: the pages the events touched (not distinct);
     `pages`: the pool's (the watch's targets lie below it); `prev`: the step prepared before."""
     R = len(slots)
-    if not (R and prepk.takes(len(touched)) and len(arrays) == len(ops)
-            and all(op[0] == "nan" for op in ops)):
+    if not fits(R, arrays, ops, touched):
         return None
     W = int(b.q_len[0])
     plan = _plan_args(planner, R, W)
-    prows = arrays[f"ev{ops[0][1]}"] if len(ops) == 1 else \
-        np.concatenate([arrays[f"ev{op[1]}"] for op in ops]) if ops else _NONE
+    prows = rows_of(arrays, ops)
     have = caps.get((R, W), (R, W, 0, 0, 0, 0, 0))
     n = len(b.app_tokens)
     args = (b.app_tokens, b.app_rope, b.rope_pos, b.true_pos, b.committed, slots, b.app_row,
             b.append_pos, b.qo_indptr, b.kv_indptr, b.last_page_len, b.kv_indices, prows,
             touched, b.engine_write, b.write_ok, b.allowed_pages, b.q_len,
-            np.array((pages, b.step, prev, b.page_size, *have[2:6],
-                      -1 if rope_rows is None else rope_rows, M), np.int64), plan)
+            params(pages, b.step, prev, b.page_size, have, rope_rows), plan)
     start = chunk.n
     # the block written where the chunk stages it (`Chunk.claim`)
     at, room = chunk.claim(_most(len(b.kv_indices), int(plan[0]), n, R, have, len(touched),
                                  len(prows)))
     got = _steady(*args, room)
-    size, cap, nset, wpages, wcheck, wok, top, consecutive, low = got
-    if not size or size > len(room):  # not a graph step (or a bound too low: not written)
+    if not got[0] or got[0] > len(room):  # not a graph step (or a bound too low: not written)
         chunk.trim(start)
-        if not size:
+        if not got[0]:
             return None
-        at, room = chunk.claim(size)
+        at, room = chunk.claim(got[0])
         got = _steady(*args, room)
-        size, cap, nset, wpages, wcheck, wok, top, consecutive, low = got
+    return finish(caps, chunk, at, R, W, int(plan[0]), slots, arrays, ops, got)
+
+
+def fits(R: int, arrays: dict[str, np.ndarray], ops: list[Any], touched: np.ndarray) -> bool:
+    """Whether a step's rows and events fit `packed`: rows, its events' pages few enough for
+    the compiled passes, its events all poison (no copies)."""
+    return bool(R and prepk.takes(len(touched)) and len(arrays) == len(ops)
+                and all(op[0] == "nan" for op in ops))
+
+
+def rows_of(arrays: dict[str, np.ndarray], ops: list[Any]) -> np.ndarray:
+    """The events' poisoned pool rows end to end, in the ops' order (the block's gr_prows)."""
+    return arrays[f"ev{ops[0][1]}"] if len(ops) == 1 else \
+        np.concatenate([arrays[f"ev{op[1]}"] for op in ops]) if ops else _NONE
+
+
+def params(pages: int, step: int, prev: int, page_size: int, have: Any,
+           rope_rows: int | None) -> np.ndarray:
+    """`_steady`'s step argument: the pool's pages, the step, the step before, the page size,
+    the key's capacities so far, the RoPE table's rows (-1: none), M."""
+    return np.array((pages, step, prev, page_size, *have[2:6],
+                     -1 if rope_rows is None else rope_rows, M), np.int64)
+
+
+def finish(caps: dict[tuple[int, int], Any], chunk: Chunk, at: int, R: int, W: int,
+           words: int, slots: np.ndarray, arrays: dict[str, np.ndarray], ops: list[Any],
+           got: tuple[Any, ...]) -> tuple[Any, StepArrays, tuple[Any, ...], RefGroup]:
+    """`packed`'s result from what `_steady` wrote at `at` (`got`: its outputs): the chunk
+    ends after its seq_lens, the key's capacities grow, the views are made on first look."""
+    size, cap, nset, wpages, wcheck, wok, top, consecutive, low = got
     seq = _seq_at(size)
     chunk.trim(at + seq + R)
-    key = caps[(R, W)] = (R, W, *cap, int(plan[0]))
+    key = caps[(R, W)] = (R, W, *cap, words)
     group = _group(R, W, top, int(slots[0]) if consecutive else -1, low)
     views = partial(_slots, key, at, size, seq, R, arrays, ops, nset, len(wpages))
     return key, Lazy(chunk, views, ((size,), (1,), at)), (wpages, wcheck, wok), group

@@ -263,30 +263,41 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
     f = _flat_compiled(c, indptr, ind, sh, page_size, guard) if compiled else \
         _flat_numpy(c, indptr, ind, sh, page_size, guard)
     xp, xi, xl = _xqa_csr(c, step.backend, ind, indptr, page_size, guard)
-    # StepBatch(...) without the frozen dataclass's __init__, which sets its fields one
-    # `object.__setattr__` at a time (~14 of a generation step's ~90 µs here on a development
-    # machine); one dict display, in field order (tests/unit/test_layout.py holds it to
-    # `_FIELDS`), not keywords gathered into a dict and copied again (~3 µs more)
+    return assemble(step, page_size, guard, c, tuple(f.values()), indptr.astype(I32),
+                    c["last_page_len"].astype(I32), c["kv_len"].astype(I32),
+                    # only XQA reads a block table: built for every step, it flattened every
+                    # row's pages a second time (~0.5 ms of a 3 ms step's preparation at batch
+                    # 64 x kv 8k)
+                    _block_table(c, guard) if step.backend == "xqa" else
+                    np.zeros((R, 0), dtype=I32), (xp, xi, xl),
+                    _steady_runs(c) if compiled else _runs(c["is_ctx"], c["q_len"]))
+
+
+def assemble(step: StepRecord, page_size: int, guard: int, c: Columns,
+             flat: tuple[np.ndarray, ...], kv_indptr: np.ndarray, last_page_len: np.ndarray,
+             kv_len: np.ndarray, block_table: np.ndarray, xqa: tuple[np.ndarray, ...],
+             runs: tuple[tuple[int, int, str], ...]) -> StepBatch:
+    """Step's StepBatch from its columns and the flat arrays (`_FLAT`'s, in that order), without
+    the frozen dataclass's __init__, which sets its fields one `object.__setattr__` at a time
+    (~14 of a generation step's ~90 µs here on a development machine): one dict display, in
+    field order (tests/unit/test_flatten.py holds it to `_FIELDS`), not keywords gathered into
+    a dict and copied again (~3 µs more)."""
+    (qo, kv_indices, row_of_token, true_pos, tokens, app_row, app_rope, engine_write, write_ok,
+     allowed, reject_page, reject_slot) = flat
     b = object.__new__(StepBatch)
     b.__dict__.update({
         "step": step.step, "backend": step.backend, "plan_q_len": step.plan_q_len,
         "plan_batch": step.plan_batch, "plan_cache_size": step.plan_cache_size,
         "page_size": page_size, "guard": guard, "requests": c["request"], "is_ctx": c["is_ctx"],
-        "q_len": c["q_len"], "qo_indptr": f["qo_indptr"], "kv_indptr": indptr.astype(I32),
-        "kv_indices": f["kv_indices"], "last_page_len": c["last_page_len"].astype(I32),
-        "kv_len": c["kv_len"].astype(I32),
-        # only XQA reads a block table: built for every step, it flattened every row's pages a
-        # second time (~0.5 ms of a 3 ms step's preparation at batch 64 x kv 8k)
-        "block_table": _block_table(c, guard) if step.backend == "xqa" else
-        np.zeros((R, 0), dtype=I32),
-        "row_of_token": f["row_of_token"], "tokens": f["tokens"], "app_row": f["app_row"],
-        "app_tokens": c["tokens"], "app_rope": f["app_rope"], "rope_pos": c["rope_pos"],
-        "append_pos": c["append_pos"], "true_pos": f["true_pos"], "committed": c["committed"],
-        "new_tokens": c["new_tokens"], "allowed_pages": f["allowed_pages"],
-        "engine_write": f["engine_write"], "write_ok": f["write_ok"],
-        "reject_page": f["reject_page"], "reject_slot": f["reject_slot"], "xqa_indptr": xp,
-        "xqa_indices": xi, "xqa_last_page_len": xl,
-        "runs": _steady_runs(c) if compiled else _runs(c["is_ctx"], c["q_len"])})
+        "q_len": c["q_len"], "qo_indptr": qo, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
+        "last_page_len": last_page_len, "kv_len": kv_len, "block_table": block_table,
+        "row_of_token": row_of_token, "tokens": tokens, "app_row": app_row,
+        "app_tokens": c["tokens"], "app_rope": app_rope, "rope_pos": c["rope_pos"],
+        "append_pos": c["append_pos"], "true_pos": true_pos, "committed": c["committed"],
+        "new_tokens": c["new_tokens"], "allowed_pages": allowed, "engine_write": engine_write,
+        "write_ok": write_ok, "reject_page": reject_page, "reject_slot": reject_slot,
+        "xqa_indptr": xqa[0], "xqa_indices": xqa[1], "xqa_last_page_len": xqa[2],
+        "runs": runs})
     return b
 
 

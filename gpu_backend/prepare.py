@@ -6,7 +6,7 @@ device work (pure numpy) and staged in chunks of steps, one pinned upload each:
 - the truth store's slots (admission, release) and prefix fills, and the content inputs (token
   and position mod M as float64, the RoPE-overrun NaN mask): `truthprep`;
 - the fp32 reference's index arrays (`refgroups.RefGroup`), the rewind's pool rows;
-- a steady MTP step, past its layout and truth slots, in one compiled pass (`blockpack`).
+- a steady MTP step's layout and graph block in one compiled call (`steadystep`, `blockpack`).
 
 The step loop (`driver.replay`) then only launches device work: no numpy, no host-device syncs.
 """
@@ -22,13 +22,13 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu_backend import blockpack, graphs, prepk, truthprep
+from gpu_backend import blockpack, graphs, prepk, steadystep, truthprep
 from gpu_backend.chunks import ramp, words_ahead
 from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
 from gpu_backend.intsets import unique
-from gpu_backend.layout import StepBatch, build_step, kernel_arrays, run_arrays
+from gpu_backend.layout import Columns, StepBatch, build_step, kernel_arrays, run_arrays
 from gpu_backend.promptbatch import prompts_batch, token_rows
 from gpu_backend.refgroups import RefGroup, ref_groups
 from gpu_backend.staging import Chunk, FromRows, Joined, StepArrays, stage
@@ -43,8 +43,9 @@ CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host mem
 # measured so far) that only hides the device's share: a wash end to end on the H200 (docs/gpu.md
 # round 11); it pays once preparation is faster than the device
 CHUNK_STEPS = 8
-# a steady MTP step past its truth slots in one compiled pass (`blockpack`); False: `_first`,
-# `_advance` and `_rest`, numpy and one `Chunk.add` an array (the pass's oracle)
+# a steady MTP step's layout and graph block in one compiled call (`steadystep`, `blockpack`);
+# False: `build_step`, `_first`, `_advance` and `_rest`, numpy and one `Chunk.add` an array
+# (the call's oracle)
 PACK = True
 
 
@@ -165,15 +166,19 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
             return _content_first(st, s, rows, flight, chunk, thin)
     arrays: dict[str, np.ndarray] = {}
     ops, touched = _events(st, s, flight, arrays)
-    b = _batch(st, s, rows)
     first: dict[str, np.ndarray] = {}  # what the content and the reference read
-    if not defer and st.graphs is not None and PACK and blockpack.steady(b):
-        slots, fill = truthprep.admit(st, b, first)
-        p = None if fill else _packed(st, s, rows, b, slots, arrays, ops, touched, chunk)
-        if p is not None:
-            return p
+    cols = st.trace.columns.get(s.step)
+    if not defer and st.graphs is not None and PACK and \
+            steadystep.may(s, cols, s.step in st.trace.checked):
+        assert cols is not None
+        slots, fill = truthprep.admit_rows(st, cols["request"], cols["committed"], first)
+        got = None if fill else _steady(st, s, rows, cols, slots, arrays, ops, touched, chunk)
+        if isinstance(got, Prepared):
+            return got
+        b = got if got is not None else _batch(st, s, rows)
         eng_nan, same, groups = _content_reference(st, b, slots, first)
     else:
+        b = _batch(st, s, rows)
         fill, eng_nan, same, groups = _first(st, b, first)
     q_identity = b.num_tokens == len(b.app_tokens)
     ok = not fill and not eng_nan and same and q_identity  # a CUDA graph could replay it
@@ -317,19 +322,24 @@ def _rest(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], pre
         graphs.span(dv)
 
 
-def _packed(st: HostState, s: StepRecord, rows: list[RowRecord], b: StepBatch,
+def _steady(st: HostState, s: StepRecord, rows: list[RowRecord], cols: Columns,
             slots: np.ndarray, arrays: dict[str, np.ndarray], ops: list[PoolOp],
-            touched: np.ndarray, chunk: Chunk) -> Prepared | None:
-    """A `blockpack.steady` step past its truth slots in one compiled pass: what `_first`
-    (past the slots), `_advance` and `_rest` make of it, the same words and views. None: not a
-    graph step, nothing staged and the host state as it was."""
+            touched: np.ndarray, chunk: Chunk) -> Prepared | StepBatch | None:
+    """A `steadystep.may` step past its truth slots in one compiled call: its layout and, as a
+    graph step, what `_first` (past the slots), `_advance` and `_rest` make of it (the same
+    words and views), or its batch alone (not a graph step: nothing staged, the host state as
+    it was), or None (its events do not fit the pass)."""
     assert st.graphs is not None
-    got = blockpack.packed(st.graph_caps, b, slots, arrays, ops, touched, st.prev_step,
-                           st.graphs, st.trace.model.num_blocks + 2 * st.guard, st.rope_rows,
-                           chunk)
+    shared = np.fromiter(st.shared, np.int64, len(st.shared))
+    got = steadystep.take(st.graph_caps, s, cols, shared, st.trace.model.page_size, st.guard,
+                          slots, arrays, ops, touched, st.prev_step, st.graphs,
+                          st.trace.model.num_blocks + 2 * st.guard, st.rope_rows, chunk)
     if got is None:
         return None
-    key, dv, (wpages, wcheck, wok), group = got
+    b, packed = got
+    if packed is None:
+        return b
+    key, dv, (wpages, wcheck, wok), group = packed
     _advance(st, b)
     return Prepared(s, rows, b, dv, ops, len(touched) > 0, False, False, True, True, [group],
                     wpages, wcheck, wok, key)

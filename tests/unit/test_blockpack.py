@@ -65,23 +65,23 @@ def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The same words, views (in the same order), graph key, target pages, pool operations,
-    reference groups and flags with the pass as without it (`prepare.PACK`), the same host state
-    after the last step, and the pass packed every graph step (on the big trace, every
-    generation step). The pass writes its block where the chunk stages it (`Chunk.claim`):
-    into a queued array, or into the chunk's buffer, grown mid-block when it is small."""
+    reference groups and flags with the pass as without it (`prepare.PACK`: `steadystep`'s one
+    call, and `packed` where its room was short), the same host state after the last step, and
+    the pass packed every graph step (on the big trace, every generation step). The pass
+    writes its block where the chunk stages it (`Chunk.claim`): into a queued array, or into
+    the chunk's buffer, grown mid-block when it is small."""
     trace = load_trace(named_trace(tmp_path, name, 9))
     monkeypatch.setattr(prepare, "PACK", False)
     want = _steps(trace)
     monkeypatch.setattr(prepare, "PACK", True)
     packed = []
-    real = blockpack.packed
+    real = blockpack.finish
 
-    def counted(*a: Any) -> Any:
-        got = real(*a)
-        packed.append(got is not None)
-        return got
+    def counted(*a: Any) -> Any:  # every packed step, the one call's or `packed`'s
+        packed.append(True)
+        return real(*a)
 
-    monkeypatch.setattr(blockpack, "packed", counted)
+    monkeypatch.setattr(blockpack, "finish", counted)
     _poisoned(monkeypatch)
     for words in (0, 1000):
         packed.clear()
@@ -98,7 +98,8 @@ def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
         assert graph_steps == len(want) - 2  # every generation step
 
 
-def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path) -> None:
+def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """A step whose rows are not all one width is no graph step for the pass: it stages
     nothing and grows no capacity, and `prepare` stages the step its own way (as when
     FlashInfer's planner would refuse the page counts)."""
@@ -116,12 +117,15 @@ def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path) -> None:
         seen.append((got, before, (dict(caps), chunk.n, len(chunk.parts))))
         return got
 
+    def short(*a: Any) -> Any:  # the one call's room is short: `packed` stages the step
+        return 7
+
     flight = prepare.in_flight_poison(trace)
     steps = prepare.replayed(trace)
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(blockpack, "packed", mixed)
-        prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, Chunk("cpu"))
-        p = prepare.prepare_step(st, steps[1], trace.rows[steps[1].step], flight, Chunk("cpu"))
+    monkeypatch.setattr(blockpack, "packed", mixed)
+    monkeypatch.setattr(blockpack, "_most", short)
+    prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, Chunk("cpu"))
+    p = prepare.prepare_step(st, steps[1], trace.rows[steps[1].step], flight, Chunk("cpu"))
     assert len(seen) == 1 and seen[0][0] is None and seen[0][1] == seen[0][2]  # the gen step
     assert p.graph is not None and "gblk" in p.dv.slots  # `prepare`'s own way
 

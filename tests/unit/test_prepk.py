@@ -106,6 +106,9 @@ def test_every_step_split_across_threads_is_prepared_the_same(
     # the prompts' step's content inputs per token, as the split passes make them (else the
     # device makes them from its rows: `truthprep.row_content`)
     monkeypatch.setattr(truthprep, "row_content", lambda *a: False)
+    # every step through `build_step` (a steady step's one call, `steadystep`, never splits: it
+    # takes steps of at most `prepk.SMALL` appends, far below the split length)
+    monkeypatch.setattr(prepare, "PACK", False)
     calls: Counter[str] = Counter()
     for mod, fn in ((flatten, "split"), (prepk, "content_split")):
         real = getattr(mod, fn)

@@ -22,7 +22,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu_backend import blockpack, graphs, prepk, steadystep, truthprep
+from gpu_backend import blockpack, eventsk, graphs, prepk, steadystep, truthprep
 from gpu_backend.chunks import ramp, words_ahead
 from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool, in_flight_poison
 from gpu_backend.fa2plan import Planner
@@ -47,6 +47,9 @@ CHUNK_STEPS = 8
 # False: `build_step`, `_first`, `_advance` and `_rest`, numpy and one `Chunk.add` an array
 # (the call's oracle)
 PACK = True
+# the usual generation step's block events in one compiled pass (`eventsk`); False:
+# `event_ops` and `_pool_ops` (its oracle)
+EVENTSK = True
 
 
 @dataclass
@@ -200,7 +203,13 @@ _NONE = np.zeros(0, dtype=np.int64)
 
 def _events(st: HostState, s: StepRecord, flight: InFlight, arrays: dict[str, np.ndarray]
             ) -> tuple[list[PoolOp], np.ndarray]:
-    """The pool operations before step s's kernels and the pages they touch (`_pool_ops`)."""
+    """The pool operations before step s's kernels and the pages they touch (`_pool_ops`):
+    the usual generation step's in one compiled pass (`eventsk`), else `event_ops`'."""
+    if EVENTSK and prepk.ENABLED and st.prev_step >= 0 and not flight.double_free:
+        got = eventsk.pool_ops(st.trace, s.step, st.guard, flight.before_step.get(s.step, []),
+                               st.shared, st.rewind, arrays)
+        if got is not None:
+            return got
     ops, touched = event_ops(st.trace, s.step, st.guard, None, flight, arrays, st.shared)
     if st.prev_step < 0:  # before `_pool_ops` turns the dropped poison's pages into rows
         ops = fresh_pool(ops, arrays)

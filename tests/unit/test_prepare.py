@@ -362,6 +362,7 @@ def test_the_fresh_pools_dropped_poison_is_never_made_rows(tmp_path: Path,
         return real(st, ops, *a)
 
     monkeypatch.setattr(prepare, "_pool_ops", kept)
+    monkeypatch.setattr(prepare, "EVENTSK", False)  # every step through `_pool_ops`
     steps = list(prepared_steps(t, _state(t), "cpu"))
     assert len(given) == len(steps) > 1
     assert not given[0] or given[0][0][0] != "nan"

@@ -154,8 +154,10 @@ def test_content_split_is_content(tp: list[tuple[int, int]], rope: list[int], sh
 
 def test_the_big_trace_takes_every_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The benchmark's steady MTP steps take the identity group and rewind their drafts (in
-    `prepare`'s own way: `blockpack`'s pass calls them compiled, past these counters)."""
+    `prepare`'s own way: `blockpack`'s and `eventsk`'s passes call them compiled, past these
+    counters)."""
     monkeypatch.setattr(prepare, "PACK", False)
+    monkeypatch.setattr(prepare, "EVENTSK", False)
     calls = _counting(monkeypatch)
     _steps(_trace(tmp_path, "big"))
     assert all(calls[n] > 0 for n in _PASSES), calls

@@ -272,7 +272,7 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
 
 
 def _apply_events(pool: KVPool, p: Prepared) -> None:
-    """The last step's rewind and this step's block events (`prepare._pool_ops`)."""
+    """The last step's rewind and this step's block events (`poolops.join_rewind`)."""
     for kind, a, b, n in p.ops:
         if kind == "nan":
             pool.poison_rows(p.dv[f"ev{a}"])

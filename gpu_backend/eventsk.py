@@ -2,9 +2,9 @@
 step: its events poison or keep pages, no block is shared or copied, no free is a double free.
 
 Why: `events.event_ops` walks a 64 x 2k generation step's ~10 events in Python, then
-`prepare._pool_ops` turns the poisoned pages into pool rows behind the last step's rewound
+`poolops.join_rewind` turns the poisoned pages into pool rows behind the last step's rewound
 slots: ~12 µs of a ~75 µs preparation on a development machine, ~35 on the H200's host.
-Here that is one call. `event_ops` and `_pool_ops` stay as the oracle: tests/unit/
+Here that is one call. `event_ops` and `join_rewind` stay as the oracle: tests/unit/
 test_eventsk.py holds every step of the replay test traces to them (the ops, their arrays,
 the touched pages, the shared blocks after).
 """
@@ -31,7 +31,7 @@ _EMPTY = EventColumns(_NONE, _NONE, _NONE, _NONE, _NONE, _NONE)
 def pool_ops(trace: TraceData, step: int, guard: int, late: list[int], shared: set[int],
              rewind: tuple[np.ndarray, np.ndarray] | None, arrays: dict[str, np.ndarray]
              ) -> tuple[list[PoolOp], np.ndarray] | None:
-    """What `prepare._pool_ops(event_ops(...))` makes of step `step`'s events (after launch
+    """What `poolops.join_rewind(event_ops(...))` makes of step `step`'s events (after launch
     step - 1, before launch step) and `late` (the in-flight poison before it), behind the last
     step's `rewind` (rows, pages): (ops, touched pages), the poisoned rows in `arrays`, and
     `shared` kept. None, nothing changed: an event copies a slot or leaves a block shared

@@ -10,135 +10,34 @@ Flat token order is batch order: token t of row r is `qo_indptr[r] + t`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from itertools import chain
-from typing import Any
 
 import numpy as np
 
+from gpu_backend.stepbatch import (  # noqa: F401  (re-exported: the batch is the layout's)
+    _FIELDS,
+    I32,
+    PREP_ONLY,
+    Columns,
+    StepBatch,
+    assemble,
+)
 from sim.errors import TraceError
 from sim.trace.records import RowRecord, StepRecord
 
-I32 = np.int32
 # kv_indices gets TAIL entries of -1 (-> a guard page) past its end: an ordinal the kernels
 # follow past the table (FA3 reads, appends, xqa past the row) lands on poison in both
 # backends instead of on whatever the allocator placed after the array.
 TAIL = 256
 
 
-@dataclass(frozen=True)
-class StepBatch:
-    step: int
-    backend: str  # fa2 | fa3 | xqa
-    plan_q_len: int  # -1: the decode plan was built for this step (docs/trace.md)
-    plan_batch: int  # the step's batch (all rows) when that plan was built
-    plan_cache_size: int  # plans the engine's cache holds after this step's launch
-    page_size: int
-    guard: int
-    requests: np.ndarray  # [R] request ids
-    is_ctx: np.ndarray  # [R] bool
-    q_len: np.ndarray  # [R]
-    qo_indptr: np.ndarray  # [R+1] int32
-    kv_indptr: np.ndarray  # [R+1] int32, engine CSR (absolute offsets into kv_indices)
-    kv_indices: np.ndarray  # [nnz_pages] int32, pool indices (engine id + guard)
-    last_page_len: np.ndarray  # [R] int32
-    kv_len: np.ndarray  # [R] int32, the length the kernel uses (trace column)
-    block_table: np.ndarray  # [R, width] int32 pool indices (xqa; [R, 0] for other backends)
-    row_of_token: np.ndarray  # [nnz_q] int32
-    tokens: np.ndarray  # [nnz_q] token ids of the queries
-    app_row: np.ndarray  # [nnz_a] row of each appended K/V (nnz_a >= nnz_q: device-ahead rows)
-    app_tokens: np.ndarray  # [nnz_a]
-    app_rope: np.ndarray  # [nnz_a] RoPE position of each appended K
-    rope_pos: np.ndarray  # [nnz_q] engine RoPE positions (Q and appended K)
-    append_pos: np.ndarray  # [nnz_a] engine append positions
-    true_pos: np.ndarray  # [nnz_q] committed + j
-    committed: np.ndarray  # [R]
-    new_tokens: np.ndarray  # [R]
-    allowed_pages: np.ndarray  # pool indices this step may write (truth, non-shared)
-    engine_write: np.ndarray  # [nnz_a] pool index the engine's append targets (-1: wild)
-    write_ok: np.ndarray  # [nnz_a] bool: that page is one the row itself may write (truth)
-    reject_page: np.ndarray  # pool indices of rejected-draft slots (truth), with reject_slot
-    reject_slot: np.ndarray
-    # xqa as CSR: row r reads table[r, p // B] for p < kv_len (past the row: the next row's
-    # entries, as XQA's row stride does), so FA2 over this CSR reads exactly XQA's pages
-    xqa_indptr: np.ndarray  # [R+1]
-    xqa_indices: np.ndarray  # pool indices
-    xqa_last_page_len: np.ndarray  # [R]
-    # `launch_runs`, built with the step (the replay asks for it every step: host time)
-    runs: tuple[tuple[int, int, str], ...] = ()
-
-    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        # a worker ships each step's batch to the replay loop (`gpu_backend.workers`): its ~30
-        # arrays in one buffer unpickle in ~15 µs, one by one in ~45 (a development machine)
-        return _unpack, _pack(self)
-
-    def shipped(self) -> StepBatch:
-        """The batch as a worker ships it to the loop: the fields only the preparation reads
-        (PREP_ONLY) are None, so a loop that read one would fail at once. Unpickling it costs
-        the loop ~half (9.8 against 17.8 µs a step at 64 x 2k on a development machine; most of
-        the bytes are kv_indices, which the loop reads from the device)."""
-        gone: dict[str, Any] = dict.fromkeys(PREP_ONLY)
-        return replace(self, **gone)
-
-    @property
-    def num_rows(self) -> int:
-        return int(self.q_len.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.tokens.shape[0])
-
-
-# StepBatch fields the replay loop never reads (driver, oracle, graphs.run, replay, reference,
-# launch_runs and stale_plan read the others): prepare's inputs, staged for the device
-PREP_ONLY = ("requests", "kv_indices", "kv_len", "block_table", "app_tokens", "app_rope",
-             "rope_pos", "append_pos", "true_pos", "committed", "new_tokens", "reject_page",
-             "reject_slot", "xqa_indptr", "xqa_indices", "xqa_last_page_len")
-
-
-def _pack(b: StepBatch) -> tuple[bytearray, list[object], list[tuple[int, str, int, int]],
-                                  dict[int, tuple[int, ...]]]:
-    """(every array field's bytes end to end, the other fields' values (None where an array
-    goes), each array's (field, dtype, count, byte offset), the shapes of those not 1-D)."""
-    parts: list[bytes] = []
-    at = 0
-    values: list[object] = []
-    specs: list[tuple[int, str, int, int]] = []
-    shapes: dict[int, tuple[int, ...]] = {}
-    for i, name in enumerate(_FIELDS):  # by field, as `_unpack` puts them back
-        v = getattr(b, name)
-        values.append(None if isinstance(v, np.ndarray) else v)
-        if isinstance(v, np.ndarray):
-            data = np.ascontiguousarray(v).tobytes()
-            specs.append((i, v.dtype.str, v.size, at))
-            if v.ndim != 1:
-                shapes[i] = v.shape
-            parts.append(data + bytes(-len(data) % 8))  # each array 8-byte aligned
-            at += len(parts[-1])
-    return bytearray(b"".join(parts)), values, specs, shapes
-
-
-def _unpack(buf: bytearray, values: list[object], specs: list[tuple[int, str, int, int]],
-            shapes: dict[int, tuple[int, ...]]) -> StepBatch:
-    """The batch `_pack` packed; its arrays are writable views of one buffer. Made without the
-    frozen dataclass's __init__ (a setattr a field: 4 of the 12 µs a batch took the loop)."""
-    for i, dtype, n, at in specs:
-        a = np.frombuffer(buf, dtype, n, at)
-        values[i] = a.reshape(shapes[i]) if i in shapes else a
-    b = object.__new__(StepBatch)
-    b.__dict__.update(zip(_FIELDS, values, strict=True))
-    return b
-
-
-_FIELDS = tuple(f.name for f in fields(StepBatch))
 
 
 # a step's rows as arrays (`columns`, or `TraceData.columns` from the trace's Arrow columns)
 SCALARS = ("q_len", "kv_indptr", "committed", "new_tokens", "request", "last_page_len", "kv_len",
            "shared_blocks")
 LISTS = ("pages", "alloc", "append_pos", "rope_pos", "tokens")
-Columns = dict[str, np.ndarray]
 
 
 def columns(rows: list[RowRecord]) -> Columns:
@@ -271,34 +170,6 @@ def build_step(step: StepRecord, rows: list[RowRecord], page_size: int, guard: i
                     _block_table(c, guard) if step.backend == "xqa" else
                     np.zeros((R, 0), dtype=I32), (xp, xi, xl),
                     _steady_runs(c) if compiled else _runs(c["is_ctx"], c["q_len"]))
-
-
-def assemble(step: StepRecord, page_size: int, guard: int, c: Columns,
-             flat: tuple[np.ndarray, ...], kv_indptr: np.ndarray, last_page_len: np.ndarray,
-             kv_len: np.ndarray, block_table: np.ndarray, xqa: tuple[np.ndarray, ...],
-             runs: tuple[tuple[int, int, str], ...]) -> StepBatch:
-    """Step's StepBatch from its columns and the flat arrays (`_FLAT`'s, in that order), without
-    the frozen dataclass's __init__, which sets its fields one `object.__setattr__` at a time
-    (~14 of a generation step's ~90 µs here on a development machine): one dict display, in
-    field order (tests/unit/test_flatten.py holds it to `_FIELDS`), not keywords gathered into
-    a dict and copied again (~3 µs more)."""
-    (qo, kv_indices, row_of_token, true_pos, tokens, app_row, app_rope, engine_write, write_ok,
-     allowed, reject_page, reject_slot) = flat
-    b = object.__new__(StepBatch)
-    b.__dict__.update({
-        "step": step.step, "backend": step.backend, "plan_q_len": step.plan_q_len,
-        "plan_batch": step.plan_batch, "plan_cache_size": step.plan_cache_size,
-        "page_size": page_size, "guard": guard, "requests": c["request"], "is_ctx": c["is_ctx"],
-        "q_len": c["q_len"], "qo_indptr": qo, "kv_indptr": kv_indptr, "kv_indices": kv_indices,
-        "last_page_len": last_page_len, "kv_len": kv_len, "block_table": block_table,
-        "row_of_token": row_of_token, "tokens": tokens, "app_row": app_row,
-        "app_tokens": c["tokens"], "app_rope": app_rope, "rope_pos": c["rope_pos"],
-        "append_pos": c["append_pos"], "true_pos": true_pos, "committed": c["committed"],
-        "new_tokens": c["new_tokens"], "allowed_pages": allowed, "engine_write": engine_write,
-        "write_ok": write_ok, "reject_page": reject_page, "reject_slot": reject_slot,
-        "xqa_indptr": xqa[0], "xqa_indices": xqa[1], "xqa_last_page_len": xqa[2],
-        "runs": runs})
-    return b
 
 
 def _flat_compiled(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray,

@@ -22,12 +22,11 @@ from functools import partial
 import numpy as np
 import torch
 
-from gpu_backend import blockpack, eventsk, graphs, prepk, steadystep, truthprep
+from gpu_backend import blockpack, graphs, poolops, steadystep, truthprep
 from gpu_backend.chunks import ramp, words_ahead
-from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool, in_flight_poison
+from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
-from gpu_backend.intsets import unique
 from gpu_backend.layout import Columns, StepBatch, build_step, kernel_arrays, run_arrays
 from gpu_backend.promptbatch import prompts_batch, token_rows
 from gpu_backend.refgroups import RefGroup, ref_groups
@@ -47,9 +46,6 @@ CHUNK_STEPS = 8
 # False: `build_step`, `_first`, `_advance` and `_rest`, numpy and one `Chunk.add` an array
 # (the call's oracle)
 PACK = True
-# the usual generation step's block events in one compiled pass (`eventsk`); False:
-# `event_ops` and `_pool_ops` (its oracle)
-EVENTSK = True
 
 
 @dataclass
@@ -58,7 +54,7 @@ class Prepared:
     rows: list[RowRecord]
     b: StepBatch
     dv: StepArrays
-    ops: list[PoolOp]  # the last step's rewind, then the block events (`_pool_ops`)
+    ops: list[PoolOp]  # the last step's rewind, then the block events (`poolops`)
     touched: bool  # pages changed since the last step's checksum: re-sum `touched`
     fill: bool  # new requests' prefixes go into the truth store (fill_*)
     engine_nan: bool  # some engine K/Q is past the RoPE table (eng_nan)
@@ -168,7 +164,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
         if thin is not None:
             return _content_first(st, s, rows, flight, chunk, thin)
     arrays: dict[str, np.ndarray] = {}
-    ops, touched = _events(st, s, flight, arrays)
+    ops, touched = poolops.step_ops(st, s, flight, arrays)
     first: dict[str, np.ndarray] = {}  # what the content and the reference read
     cols = st.trace.columns.get(s.step)
     if not defer and st.graphs is not None and PACK and \
@@ -201,21 +197,6 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-def _events(st: HostState, s: StepRecord, flight: InFlight, arrays: dict[str, np.ndarray]
-            ) -> tuple[list[PoolOp], np.ndarray]:
-    """The pool operations before step s's kernels and the pages they touch (`_pool_ops`):
-    the usual generation step's in one compiled pass (`eventsk`), else `event_ops`'."""
-    if EVENTSK and prepk.ENABLED and st.prev_step >= 0 and not flight.double_free:
-        got = eventsk.pool_ops(st.trace, s.step, st.guard, flight.before_step.get(s.step, []),
-                               st.shared, st.rewind, arrays)
-        if got is not None:
-            return got
-    ops, touched = event_ops(st.trace, s.step, st.guard, None, flight, arrays, st.shared)
-    if st.prev_step < 0:  # before `_pool_ops` turns the dropped poison's pages into rows
-        ops = fresh_pool(ops, arrays)
-    return _pool_ops(st, ops, touched, arrays)
-
-
 def _batch(st: HostState, s: StepRecord, rows: list[RowRecord]) -> StepBatch:
     shared = np.fromiter(st.shared, np.int64, len(st.shared))
     return build_step(s, rows, st.trace.model.page_size, st.guard, shared,
@@ -245,7 +226,7 @@ def _advance(st: HostState, b: StepBatch) -> int:
     """Past step b: its rejected drafts for the next step, its ended requests' slots freed.
     Returns the step prepared before it."""
     prev, st.prev_step = st.prev_step, b.step
-    _rewind(st, b)
+    poolops.rewind(st, b)
     truthprep.release(st, b.step, b.requests)
     return prev
 
@@ -295,7 +276,7 @@ def _prompts_rest(st: HostState, flight: InFlight, chunk: Chunk, p: Prepared) ->
     `_rest`, as `prepare_step` does them."""
     t0 = time.perf_counter()
     arrays: dict[str, np.ndarray] = {}
-    p.ops, touched = _events(st, p.step, flight, arrays)
+    p.ops, touched = poolops.step_ops(st, p.step, flight, arrays)
     p.b = _batch(st, p.step, p.rows)
     ok = not p.fill and not p.engine_nan and p.truth_same and p.q_identity
     _rest(st, touched, arrays, _advance(st, p.b), ok, chunk, p)
@@ -370,46 +351,6 @@ def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFligh
     # chunk: 5.2 -> 1.4 ms at 64 x 2k on a development machine (replay_host's first_walk_us)
     if rewind and any(r.phase == "gen" and len(r.append_pos) > r.new_tokens for r in rows):
         shared = np.fromiter(st.shared, np.int64, len(st.shared))
-        _rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,
+        poolops.rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,
                                st.trace.columns.get(s.step), checked=s.step in st.trace.checked))
     truthprep.release(st, s.step, requests)
-
-
-def _rewind(st: HostState, b: StepBatch) -> None:
-    """The step's rejected-draft slots as pool rows, for the next step's `_pool_ops`."""
-    st.rewind = None
-    if b.reject_page.size:
-        pz = st.trace.model.page_size
-        if prepk.ENABLED:
-            st.rewind = prepk.rewind(b.reject_page, b.reject_slot, pz)
-            return
-        base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
-        st.rewind = (np.concatenate([base, base + pz]), unique(b.reject_page))
-
-
-def _pool_ops(st: HostState, ops: list[PoolOp], touched: np.ndarray,
-              arrays: dict[str, np.ndarray]) -> tuple[list[PoolOp], np.ndarray]:
-    """The pool operations before this step's kernels, in order: the last step's rewind (its
-    rejected drafts' slots become poison: nothing reads the pool in between, and that step's
-    checksums were taken before it), then the block events. Poisoned pages become their pool
-    rows (`KVPool.poison_rows`), and the rewind joins the first run of poisoned pages, so a step
-    usually poisons in one launch. Returns (ops, pages touched)."""
-    rows, rew = 2 * st.trace.model.page_size, st.rewind
-    for i, (kind, a, _, _) in enumerate(ops):
-        if kind == "nan":
-            pages = arrays[f"ev{a}"]
-            if prepk.ENABLED:  # the rewind's rows first in the first run, in the same pass
-                lead = rew[0] if rew is not None and i == 0 else _NONE
-                arrays[f"ev{a}"] = prepk.pool_rows(pages, rows, lead)
-            else:
-                arrays[f"ev{a}"] = (pages[:, None] * rows + np.arange(rows)).ravel()
-    if rew is None:
-        return ops, touched
-    rej_rows, rej_pages = rew
-    touched = np.concatenate([touched, rej_pages])
-    if ops and ops[0][0] == "nan":
-        if not prepk.ENABLED:
-            arrays[f"ev{ops[0][1]}"] = np.concatenate([rej_rows, arrays[f"ev{ops[0][1]}"]])
-        return ops, touched
-    arrays["ev-1"] = rej_rows
-    return [("nan", -1, 0, 0), *ops], touched

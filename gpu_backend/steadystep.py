@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from gpu_backend import blockpack, fa2plan, prepk
-from gpu_backend.layout import _KINDS, I32, TAIL, Columns, StepBatch, _no_xqa, assemble
+from gpu_backend.layout import _KINDS, TAIL, _no_xqa
 from gpu_backend.layout import _runs as layout_runs
 from gpu_backend.staging import Chunk
+from gpu_backend.stepbatch import I32, Columns, StepBatch, assemble
 from sim.jit_cache import drop_stale
 from sim.trace.records import StepRecord
 

@@ -1,5 +1,5 @@
 """gpu_backend/eventsk.py: the usual generation step's block events in one compiled pass give
-what `events.event_ops` and `prepare._pool_ops` give (its oracle) on every step of the replay
+what `events.event_ops` and `poolops.join_rewind` give (its oracle) on every step of the replay
 test traces it takes: the same pool operations, poisoned rows, touched pages and shared blocks
 after; a step it does not take is left as it was."""
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
-from gpu_backend import eventsk, prepare
+from gpu_backend import eventsk, poolops, prepare
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.prepare import HostState
@@ -39,9 +39,9 @@ def test_every_step_it_takes_gets_the_oracles_operations(tmp_path: Path, name: s
     for s in prepare.replayed(trace):
         before = set(st.shared)
         if st.prev_step >= 0 and not flight.double_free:
-            monkeypatch.setattr(prepare, "EVENTSK", False)
+            monkeypatch.setattr(poolops, "EVENTSK", False)
             want: dict[str, np.ndarray] = {}
-            ops, touched = prepare._events(st, s, flight, want)
+            ops, touched = poolops.step_ops(st, s, flight, want)
             shared, st.shared = st.shared, set(before)
             got: dict[str, np.ndarray] = {}
             quick = eventsk.pool_ops(trace, s.step, st.guard, flight.before_step.get(s.step, []),
@@ -56,7 +56,7 @@ def test_every_step_it_takes_gets_the_oracles_operations(tmp_path: Path, name: s
                 assert all(got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k])
                            for k in want)
             st.shared = before
-            monkeypatch.setattr(prepare, "EVENTSK", True)
+            monkeypatch.setattr(poolops, "EVENTSK", True)
         prepare.prepare_step(st, s, trace.rows[s.step], flight, Chunk("cpu"))
     if name == "big":
         assert took == len(prepare.replayed(trace)) - 1  # every generation step

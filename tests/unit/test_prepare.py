@@ -21,7 +21,7 @@ from replay_traces import (
     prompt,
 )
 
-from gpu_backend import prepare, refgroups, tracedata
+from gpu_backend import poolops, prepare, refgroups, tracedata
 from gpu_backend.driver import GUARD_PAGES, replay
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import build_step, columns
@@ -340,7 +340,7 @@ def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
 
     want, ops = run()
     assert not ops[0] or ops[0][0][0] != "nan"
-    monkeypatch.setattr(prepare, "fresh_pool", lambda ops, arrays: ops)
+    monkeypatch.setattr(poolops, "fresh_pool", lambda ops, arrays: ops)
     got, poisoned = run()
     assert got == want
     assert ops[1:] == poisoned[1:]
@@ -351,18 +351,18 @@ def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
 def test_the_fresh_pools_dropped_poison_is_never_made_rows(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           name: str) -> None:
-    """`fresh_pool` drops the first step's poison before `_pool_ops` turns poisoned pages
+    """`fresh_pool` drops the first step's poison before `join_rewind` turns poisoned pages
     into pool rows (0.5 ms of a 64 x 2k prompts' step, 2 at 8k, on a development machine)."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     given: list[list[Any]] = []
-    real = prepare._pool_ops
+    real = poolops.join_rewind
 
     def kept(st: Any, ops: Any, *a: Any) -> Any:
         given.append(list(ops))
         return real(st, ops, *a)
 
-    monkeypatch.setattr(prepare, "_pool_ops", kept)
-    monkeypatch.setattr(prepare, "EVENTSK", False)  # every step through `_pool_ops`
+    monkeypatch.setattr(poolops, "join_rewind", kept)
+    monkeypatch.setattr(poolops, "EVENTSK", False)  # every step through `join_rewind`
     steps = list(prepared_steps(t, _state(t), "cpu"))
     assert len(given) == len(steps) > 1
     assert not given[0] or given[0][0][0] != "nan"

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, Builder, named_trace, prompt
 
-from gpu_backend import flatten, hostpool, prepare, prepk, truthprep
+from gpu_backend import flatten, hostpool, poolops, prepare, prepk, truthprep
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.intsets import member, unique
@@ -157,7 +157,7 @@ def test_the_big_trace_takes_every_pass(tmp_path: Path, monkeypatch: pytest.Monk
     `prepare`'s own way: `blockpack`'s and `eventsk`'s passes call them compiled, past these
     counters)."""
     monkeypatch.setattr(prepare, "PACK", False)
-    monkeypatch.setattr(prepare, "EVENTSK", False)
+    monkeypatch.setattr(poolops, "EVENTSK", False)
     calls = _counting(monkeypatch)
     _steps(_trace(tmp_path, "big"))
     assert all(calls[n] > 0 for n in _PASSES), calls
@@ -242,7 +242,7 @@ def test_the_pool_rows_of_poisoned_pages_are_numpys(pages: list[int], rows: int,
 
 
 def test_the_switch_is_on_by_default() -> None:
-    assert prepk.ENABLED and prepare.prepk is prepk
+    assert prepk.ENABLED and poolops.prepk is prepk
 
 
 def test_a_row_whose_lengths_contradict_itself_is_refused_as_before(tmp_path: Path) -> None:

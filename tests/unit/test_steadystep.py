@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
-from gpu_backend import blockpack, prepare, steadystep, truthprep
+from gpu_backend import blockpack, poolops, prepare, steadystep, truthprep
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.layout import _FIELDS, Columns, StepBatch, build_step
@@ -43,7 +43,7 @@ def _same_batch(a: StepBatch, b: StepBatch) -> None:
 def _take(st: HostState, s: Any, c: Columns, flight: Any, chunk: Chunk) -> tuple[Any, ...]:
     """`steadystep.take` on step s as `prepare` calls it (its events applied first)."""
     arrays: dict[str, np.ndarray] = {}
-    ops, touched = prepare._events(st, s, flight, arrays)
+    ops, touched = poolops.step_ops(st, s, flight, arrays)
     slots, fill = truthprep.admit_rows(st, c["request"], c["committed"], {})
     shared = np.fromiter(st.shared, np.int64, len(st.shared))
     args = (st.graph_caps, s, c, shared, st.trace.model.page_size, st.guard, slots, arrays,

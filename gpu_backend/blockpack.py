@@ -37,7 +37,8 @@ _NONE = np.zeros(0, dtype=np.int64)
 def steady(b: StepBatch) -> bool:
     """Whether step b has the steady MTP step's shape that `packed` takes (it checks the rest):
     FA2, one verify launch over every row, its queries its appends, planned for itself, short
-    enough for the compiled passes."""
+    enough for the compiled passes. `steadystep` checks it before it has a batch (`may`, then
+    in its compiled call); tests/unit/test_steadystep.py holds every step it packs to this."""
     runs = b.runs
     return (b.backend == "fa2" and len(runs) == 1 and runs[0][2] == "verify"
             and b.num_tokens == len(b.app_tokens) and prepk.takes(len(b.engine_write))

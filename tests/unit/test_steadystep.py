@@ -80,6 +80,7 @@ def test_the_one_call_gives_build_steps_batch_and_packeds_block(tmp_path: Path,
                 if got[1] is None:
                     assert want is None and chunk.n == 0 and caps == st.graph_caps
                 else:
+                    assert blockpack.steady(b)  # the shape `steadystep.may` and the call check
                     assert want is not None and np.array_equal(chunk.words(), again.words())
                     assert got[1][0] == want[0] and dict(got[1][1].slots) == \
                         dict(want[1].slots)

@@ -150,11 +150,7 @@ def _slots(key: Any, at: int, size: int, seq: int, R: int, arrays: dict[str, np.
     slots: dict[str, Slot] = {n: (shape, strides, at + o) for n, shape, strides, o in fields}
     slots[name] = ((size - off,), (1,), at + off)
     base = _field_at(key)
-    row = at + base["gr_prows"]
-    ev = {}
-    for _, a, _, _ in ops:
-        ev[f"ev{a}"] = row
-        row += len(arrays[f"ev{a}"])
+    ev = _event_rows(arrays, ops, at + base["gr_prows"])
     for k, a in arrays.items():
         slots[k] = ((len(a),), (1,), ev[k])
     slots["seq_lens"] = ((R,), (1,), at + seq)
@@ -187,10 +183,7 @@ def rest_slots(chunk: Chunk, rest: dict[str, np.ndarray], ops: list[Any],
     distinct touched pages and its target pages are views of the block's fields, which hold
     their values: staged once (three `Chunk.add`s a step less, ~10 µs on a development machine).
     The others are staged. field_at: a field's first word in the chunk."""
-    at, ev = field_at("gr_prows"), {}
-    for _, a, _, _ in ops:
-        ev[f"ev{a}"] = at
-        at += len(rest[f"ev{a}"])
+    ev = _event_rows(rest, ops, field_at("gr_prows"))
     out: dict[str, Slot] = {}
     for name, a in rest.items():
         off = ev.get(name)
@@ -198,6 +191,16 @@ def rest_slots(chunk: Chunk, rest: dict[str, np.ndarray], ops: list[Any],
             off = field_at(_IN_BLOCK[name])
         out[name] = chunk.add(a) if off is None else ((len(a),), (1,), off)
     return out
+
+
+def _event_rows(arrays: dict[str, np.ndarray], ops: list[Any], at: int) -> dict[str, int]:
+    """Each event's poisoned rows (`ev{a}`) -> its first word: one after the other from `at`
+    (the block's gr_prows), in `ops`' order."""
+    ev = {}
+    for _, a, _, _ in ops:
+        ev[f"ev{a}"] = at
+        at += len(arrays[f"ev{a}"])
+    return ev
 
 
 @lru_cache(maxsize=64)

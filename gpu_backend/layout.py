@@ -187,7 +187,11 @@ def _steady_runs(c: Columns) -> tuple[tuple[int, int, str], ...]:
     """`_runs`, the steady step's one run found by a compiled pass (`flatten.one_width`)."""
     from gpu_backend import flatten
 
-    w = flatten.one_width(c["is_ctx"], c["q_len"])
+    return width_runs(flatten.one_width(c["is_ctx"], c["q_len"]), c)
+
+
+def width_runs(w: int, c: Columns) -> tuple[tuple[int, int, str], ...]:
+    """`_runs` of rows whose one query width is w (`flatten.one_width`; -1: none)."""
     if w < 0:
         return _runs(c["is_ctx"], c["q_len"])
     return ((0, len(c["q_len"]), _KINDS[1 if w == 1 else 2]),)

@@ -350,7 +350,5 @@ def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFligh
     # without one needs no batch. The prompts' step, which worker 0 walks before its first
     # chunk: 5.2 -> 1.4 ms at 64 x 2k on a development machine (replay_host's first_walk_us)
     if rewind and any(r.phase == "gen" and len(r.append_pos) > r.new_tokens for r in rows):
-        shared = np.fromiter(st.shared, np.int64, len(st.shared))
-        poolops.rewind(st, build_step(s, rows, st.trace.model.page_size, st.guard, shared,
-                               st.trace.columns.get(s.step), checked=s.step in st.trace.checked))
+        poolops.rewind(st, _batch(st, s, rows))
     truthprep.release(st, s.step, requests)

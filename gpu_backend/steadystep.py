@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from gpu_backend import blockpack, fa2plan, prepk
-from gpu_backend.layout import _KINDS, TAIL, _no_xqa
-from gpu_backend.layout import _runs as layout_runs
+from gpu_backend.layout import TAIL, _no_xqa, width_runs
 from gpu_backend.staging import Chunk
 from gpu_backend.stepbatch import I32, Columns, StepBatch, assemble
 from sim.jit_cache import drop_stale
@@ -74,7 +73,7 @@ def take(caps: dict[tuple[int, int], Any], s: StepRecord, c: Columns, shared: np
                                                   rope_rows), plan, room)
     flat, (kv_indptr, last, kv_len), w, got = out[:12], out[12:15], out[15], out[16:]
     b = assemble(s, page_size, guard, c, flat, kv_indptr, last, kv_len,
-                 np.zeros((R, 0), dtype=I32), _no_xqa(R), _runs(w, R, c))
+                 np.zeros((R, 0), dtype=I32), _no_xqa(R), width_runs(w, c))
     if got[0] and got[0] <= len(room):
         return b, blockpack.finish(caps, chunk, at, R, W, int(plan[0]), slots, arrays, ops, got)
     chunk.trim(start)
@@ -83,13 +82,6 @@ def take(caps: dict[tuple[int, int], Any], s: StepRecord, c: Columns, shared: np
     # room too small for the bound (it is not): `packed` claims what the pass said it needs
     return b, blockpack.packed(caps, b, slots, arrays, ops, touched, prev, planner, pages,
                                rope_rows, chunk)
-
-
-def _runs(w: int, R: int, c: Columns) -> tuple[tuple[int, int, str], ...]:
-    """`layout._steady_runs` from the pass's `one_width`."""
-    if w < 0:
-        return layout_runs(c["is_ctx"], c["q_len"])
-    return ((0, R, _KINDS[1 if w == 1 else 2]),)
 
 
 @nb.njit(cache=True)

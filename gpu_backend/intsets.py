@@ -12,9 +12,27 @@ def unique(x: np.ndarray) -> np.ndarray:
     development machine. A long array loses its runs first (a page's tokens come one after
     another: a prompts' step's 131k write targets are ~8k runs)."""
     if len(x) > 4096:
-        x = x[_starts(x)]
-    s = np.sort(x)
+        x = runs(x)
+    s = ascending(x)  # x itself only past ASCENDING values: the gather below copies it
     return s[_starts(s)] if len(s) > 1 else s
+
+
+ASCENDING = 256  # past this many values a sort first checks whether it has anything to do
+
+
+def ascending(x: np.ndarray) -> np.ndarray:
+    """x sorted: x itself when it is already in order (past ASCENDING values), else a sorted
+    copy. A prompts' step's ~8k targets and allowed pages come in order, and numpy's sort took
+    ~0.19 ms for them on a development machine against ~0.01 for the check (host work of the
+    prompts' step while the device runs its reference)."""
+    if len(x) > ASCENDING and bool((x[1:] >= x[:-1]).all()):
+        return x
+    return np.sort(x)
+
+
+def runs(x: np.ndarray) -> np.ndarray:
+    """x with each run of equal values down to its first (x not empty)."""
+    return x[_starts(x)]
 
 
 def _starts(x: np.ndarray) -> np.ndarray:

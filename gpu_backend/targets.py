@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_backend import prepk
-from gpu_backend.intsets import member, unique
+from gpu_backend.intsets import ascending, member, runs, unique
 from gpu_backend.layout import StepBatch
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -36,6 +36,8 @@ def _numpy_targets(b: StepBatch, pages: int, touched: np.ndarray | None) -> tupl
     """(the pages the step's appends target inside the pool, those its events did not touch
     first; how many of the latter). touched: the pages the events touched, sorted, distinct."""
     ew = b.engine_write
+    if len(ew) > 4096:  # a page's appends come in runs: ~16x fewer values to mask (131k -> 8k)
+        ew = runs(ew)
     w = unique(ew[(ew >= 0) & (ew < pages)])
     if touched is None:
         return w, len(w)
@@ -47,7 +49,7 @@ def _blameless(b: StepBatch, wpages: np.ndarray) -> np.ndarray:
     """[len(wpages)] bool: the page is one the step may write (`allowed_pages`) and every append
     that targets it may write it (`write_ok`). A moved checksum on such a page is no row's
     fault (`oracle.blame` finds none), so the usual step needs no blame at all."""
-    ok = member(wpages, np.sort(b.allowed_pages.astype(np.int64)))
+    ok = member(wpages, ascending(b.allowed_pages.astype(np.int64)))
     ew = b.engine_write
     wrong = unique(ew[~b.write_ok])
     return ok & ~member(wpages, wrong) if len(wrong) else ok

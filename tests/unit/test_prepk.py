@@ -274,3 +274,34 @@ def test_token_rows_is_its_numpy(rows: list[tuple[int, int]]) -> None:
     want_pos = np.arange(int(qo[-1]), dtype=np.int64) + np.repeat(committed - qo[:-1], q_len)
     assert row.dtype == np.int32 and true_pos.dtype == np.int64
     assert np.array_equal(row, want_row) and np.array_equal(true_pos, want_pos)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(-3, 700), st.integers(1, 40), st.booleans()),
+                min_size=1, max_size=300),
+       st.booleans(), st.integers(0, 700), st.booleans())
+def test_a_long_steps_numpy_targets_are_the_compiled_passs(
+        runs: list[tuple[int, int, bool]], in_order: bool, pages: int, some_touched: bool) -> None:
+    """A step past `prepk.SMALL` appends takes numpy's way (`targets.targets`: its runs first,
+    no sort where the pages come in order): the same answer as the compiled pass, whose own
+    oracle is the plain numpy above, with its pages in order (a prompts' step's) or not."""
+    from types import SimpleNamespace
+
+    from gpu_backend import targets
+
+    if in_order:
+        runs = sorted(runs)
+    n = [k for _, k, _ in runs]
+    ew = np.repeat(np.array([e for e, _, _ in runs], dtype=np.int64), n)
+    ok = np.repeat(np.array([o for _, _, o in runs]), n)
+    times = prepk.SMALL // len(ew) + 1  # past SMALL: the runs again, in order when they were
+    ew = np.sort(np.tile(ew, times)) if in_order else np.tile(ew, times)
+    ok = np.tile(ok, times)
+    allow = unique(ew[(ew >= 0) & (ew % 3 != 0)]).astype(np.int32)
+    tset = unique(ew[ew % 5 == 0]) if some_touched else None
+    b = SimpleNamespace(engine_write=ew, allowed_pages=allow, write_ok=ok)
+    got = targets.targets(b, pages, tset)  # type: ignore[arg-type]
+    want = prepk.targets(ew, pages, np.zeros(0, np.int64) if tset is None else tset,
+                         tset is not None, allow, ok)
+    assert len(ew) > prepk.SMALL and got[1] == want[1]
+    assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2])

@@ -272,6 +272,17 @@ def test_unique_is_np_unique(xs: list[int], repeat: int) -> None:
     assert got.dtype == np.int64 and got.tolist() == np.unique(x).tolist()
 
 
+@given(st.lists(st.integers(-5, 40), max_size=40), st.integers(1, 40), st.booleans())
+def test_ascending_is_np_sort_in_order_or_not(xs: list[int], times: int, in_order: bool) -> None:
+    # past ASCENDING values an array already in order is returned as it is, not sorted
+    from gpu_backend.intsets import ascending, unique
+
+    x = np.tile(np.array(xs, dtype=np.int64), times)  # up to 1,600 values, across ASCENDING
+    x = np.sort(x) if in_order else x
+    assert ascending(x).tolist() == np.sort(x).tolist()
+    assert unique(x).tolist() == np.unique(x).tolist()
+
+
 
 @pytest.mark.parametrize("order", [("--big", "{out}"), ("{out}", "--big")])
 def test_trace_writer_script_takes_the_flag_on_either_side(tmp_path: Path,

@@ -166,7 +166,10 @@ def in_flight_poison(trace: TraceData) -> InFlight:
     free) puts it in the free list while another request or the prefix cache still holds it: it
     is poisoned too (before the step whose window it falls in, else at its place in order).
     A trace without `done` events (hand-built) is replayed strictly in order: nothing here."""
-    if not any((c.code == _DONE).any() for c in trace.event_columns.values()):
+    # one comparison over every step's codes: a step at a time took 0.28 ms of a 256-step
+    # trace's replay start, before its first launch, on a development machine (now 0.03)
+    codes = [c.code for c in trace.event_columns.values()]
+    if not codes or not (np.concatenate(codes) == _DONE).any():
         return InFlight()
     flat = _by_seq(trace)
     holders: dict[int, list[int]] = {}

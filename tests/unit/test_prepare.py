@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -311,6 +312,21 @@ def test_truth_shape_counts_a_request_live_at_its_last_step(tmp_path: Path) -> N
     b.step([b.gen(1, 0, 0)])
     trace = load_trace(b.write(tmp_path / "handover", "handover"))
     assert truth_shape(trace) == _truth_shape_rows(trace) == (2, 21, {0: 1, 1: 2})
+
+
+def test_truth_shape_keeps_a_requests_slot_while_it_is_away() -> None:
+    """A request's rows need not be in consecutive steps: it holds its slot from its first
+    row's step to its last's. Request 1 at steps 0 and 2, requests 2 and 3 at step 1 alone:
+    three slots (two if 1 gave its slot up while away)."""
+    def row(req: int, committed: int, q_len: int) -> SimpleNamespace:
+        return SimpleNamespace(request=req, committed=committed, q_len=q_len)
+
+    rows = {0: [row(1, 0, 5)], 1: [row(2, 0, 7), row(3, 0, 9)], 2: [row(1, 5, 1)]}
+    cols = {s: {k: np.array([getattr(r, k) for r in rs], np.int64)
+                for k in ("request", "committed", "q_len")} for s, rs in rows.items()}
+    trace = SimpleNamespace(rows=rows, columns=cols)
+    want = _truth_shape_rows(trace)  # type: ignore[arg-type]
+    assert truth_shape(trace) == want == (3, 9, {1: 2, 2: 1, 3: 1})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))

@@ -39,8 +39,9 @@ def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
     at = np.repeat(np.arange(len(steps)), [len(c["request"]) for c in cols])  # step positions
     # one stable sort: a request's rows in order, its first and last row at its run's ends
     order = np.argsort(req, kind="stable")
-    run = np.flatnonzero(np.concatenate([[True], req[order][1:] != req[order][:-1]]))
-    ids, first = req[order[run]], order[run]
+    by_req = req[order]
+    run = np.flatnonzero(np.concatenate([[True], by_req[1:] != by_req[:-1]]))
+    ids, first = by_req[run], order[run]
     last = order[np.concatenate([run[1:], [len(req)]]) - 1]
     # live at each step: started by it, less ended before it
     live = np.cumsum(np.bincount(at[first], minlength=len(steps))) - \

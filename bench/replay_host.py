@@ -289,7 +289,7 @@ def main() -> None:
             ap.error(f"--sweep: {size!r}: batch must be 1 or more, kv 16 (a page) or more")
         trace = load_trace(big_verify(a.work / f"big_{batch}x{kv}_{a.steps}", batch=batch, kv=kv,
                                       steps=a.steps))
-        r = {"batch": batch, "kv": kv} | measure(trace, a.reps)
+        r: dict[str, Any] = {"batch": batch, "kv": kv} | measure(trace, a.reps)
         _show(batch, kv, r)
         if a.heap_default and heap.available():
             r["heap_default"] = d = measure(trace, a.reps, kept=False)

@@ -31,10 +31,12 @@ BANK).
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import closing, contextmanager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -143,29 +145,36 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
             make_watch: Callable[[KVPool], Watch], workers: int) -> ReplayResult:
     m = trace.model
     dt = torch_dtype(m.dtype)
-    pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt, device)
     slots, span, last = truth_shape(trace)
     truth = TruthStore(slots, span, m.num_kv_heads, m.head_dim, dt, device,
                        side=_reference_beside(kernels, device))
-    watch = make_watch(pool)
-    make = getattr(kernels, "step_graphs", None)
-    graphs = make(pool, truth, m.num_q_heads, watch) if callable(make) and not skip else None
     state = HostState(trace, GUARD_PAGES, m.max_position, last=last,
-                      free=list(range(slots))[::-1],
-                      graphs=graphs.planner if graphs is not None else None,
-                      together=oracle.together(device))
+                      free=list(range(slots))[::-1], together=oracle.together(device))
+
+    @functools.cache
+    def rig() -> Rig:
+        pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt,
+                      device)
+        watch = make_watch(pool)
+        make = getattr(kernels, "step_graphs", None)
+        graphs = make(pool, truth, m.num_q_heads, watch) if callable(make) and not skip else None
+        state.graphs = graphs.planner if graphs is not None else None  # the steps after it
+        return Rig(pool, watch, graphs)
+
+    if workers:  # they lay out their steps for the graphs from their start
+        rig()
     res = ReplayResult(kernels.name, str(trace.path), tol)
-    res.watch = watch.name
     # the first step deferred: its content and reference run before the rest is prepared
     with closing(prepared_steps(trace, state, device, workers, defer=True)) as steps:
         try:
             # a worker's chunk may wait for slots the loop frees as it judges: no bank there
             ahead = Ahead(steps, 0 if workers else BANK)
-            _loop(trace, kernels, pool, truth, watch, graphs, ahead, res, skip, on_step)
+            _loop(trace, kernels, truth, rig, ahead, res, skip, on_step)
         finally:  # what the preparation left to undo once the device is done with it (the
             # workers' slots registered with CUDA), outside the timed steps
             for undo in state.cleanup:
                 undo()
+    res.watch = rig().watch.name
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     res.stats["prepare_workers"] = workers
     res.stats["prepared_ahead"] = ahead.pulled
@@ -174,9 +183,22 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     stats = getattr(kernels, "stats", None)
     if callable(stats):
         res.stats |= stats()
+    graphs = rig().graphs
     if graphs is not None:
         res.stats |= graphs.stats()
     return res
+
+
+@dataclass
+class Rig:
+    """The pool and what runs beside the kernels on it: the watch over its pages and the CUDA
+    graphs (None: eager). The loop's own preparation makes it once the first step's content and
+    reference are queued (the device has nothing else to run before them; its own start, the
+    pool's poison and the watch's first sums, then runs beside the reference), workers' before
+    they start."""
+    pool: KVPool
+    watch: Watch
+    graphs: StepGraphs | None
 
 
 def _reference_beside(kernels: Kernels, device: torch.device | str) -> bool:
@@ -219,16 +241,17 @@ class Ahead:
                 self.chunk, self.words = p.dv.chunk, self.words + p.dv.chunk.n
 
 
-def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, watch: Watch,
-          graphs: StepGraphs | None, steps: Ahead,
-          res: ReplayResult, skip: dict[int, str],
+def _loop(trace: TraceData, kernels: Kernels, truth: TruthStore, rig: Callable[[], Rig],
+          steps: Ahead, res: ReplayResult, skip: dict[int, str],
           on_step: Callable[[int, str], None] | None) -> None:
     """Every prepared step: queue its device work, read back and judge the steps before it.
-    Where the host would wait for the device, it prepares steps ahead instead (`Ahead`)."""
+    Where the host would wait for the device, it prepares steps ahead instead (`Ahead`).
+    rig: the pool, watch and graphs, made on its first call (`Rig`)."""
     pending: list[Pending] = []
     sent: deque[Sent] = deque()
     tokens = since = 0
     left = len(replayed(trace))  # the steps the loop runs
+    graphs: StepGraphs | None = None  # the rig's, once it is made
     nxt = steps.next()
     while nxt is not None:
         p = nxt
@@ -237,15 +260,17 @@ def _loop(trace: TraceData, kernels: Kernels, pool: KVPool, truth: TruthStore, w
         got, known = None, False
         if graphs is not None and p.graph is not None:
             nxt, known = steps.next(), True  # whether p is the last
-            got = _graph_step(graphs, pool, p, nxt, watch)
+            got = _graph_step(graphs, rig(), p, nxt)
         if got is None:
             # the kernels queued before the next step is prepared: the prompts' step's device
             # work starts one step's preparation sooner (its check of the next step's touched
             # pages comes after, as before)
-            finish = _eager_step(pool, truth, kernels, p, watch, skip, trace.model.num_q_heads)
+            finish = _eager_step(rig, truth, kernels, p, skip, trace.model.num_q_heads)
             if not known:
                 nxt = steps.next()
             got = finish(nxt)
+        r = rig()  # made by the first step's events
+        graphs, watch = r.graphs, r.watch
         pending.append(got)
         tokens += p.b.num_tokens
         since += 1
@@ -280,11 +305,12 @@ def _apply_events(pool: KVPool, p: Prepared) -> None:
             pool.copy_slots(a, b, n)
 
 
-def _graph_step(graphs: StepGraphs, pool: KVPool, p: Prepared, nxt: Prepared | None,
-                watch: Watch) -> Pending | None:
+def _graph_step(graphs: StepGraphs, r: Rig, p: Prepared, nxt: Prepared | None
+                ) -> Pending | None:
     """Step p (which has a graph key) through its CUDA graph (`gpu_backend.graphs`), or None:
     run it eagerly. With the incremental watch the graph applies the block events and the
     checks; otherwise they run here around it."""
+    watch = r.watch
     if graphs.checks:
         got = graphs.run(p)
         if got is None:
@@ -296,41 +322,42 @@ def _graph_step(graphs: StepGraphs, pool: KVPool, p: Prepared, nxt: Prepared | N
         tok, moved = got
         assert moved is not None
         return Pending(p, tok, moved)
-    _apply_events(pool, p)
+    _apply_events(r.pool, p)
     watch.after_events(p)
     got = graphs.run(p)
     if got is None:
-        return _one_step(pool, graphs.truth, graphs.k, p, watch, {}, graphs.hq)(nxt)
+        return _one_step(lambda: r, graphs.truth, graphs.k, p, {}, graphs.hq)(nxt)
     assert not isinstance(got, Boxed)  # an arena only with the incremental watch
     return Pending(p, got[0], watch.after_kernels(p, nxt, nxt is None))
 
 
-def _eager_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, watch: Watch,
+def _eager_step(rig: Callable[[], Rig], truth: TruthStore, kernels: Kernels, p: Prepared,
                 skip: dict[int, str], hq: int) -> Callable[[Prepared | None], Pending]:
     """The step's block events, the watch around them, then its kernels, launch by launch.
     Returns what finishes it once the next step is known (the watch checks that step's touched
     pages ahead). A deferred step (`prepare.complete`) queues its content and reference first,
     then completes its preparation while the device runs them: they read the truth, which
-    nothing else here touches."""
+    nothing else here touches; the rig is made there, if it is not yet (`Rig`)."""
     def events() -> None:
+        r = rig()
         complete(p)
-        watch.before_events(p)
-        _apply_events(pool, p)
-        watch.after_events(p)
+        r.watch.before_events(p)
+        _apply_events(r.pool, p)
+        r.watch.after_events(p)
 
     if p.deferred is not None:
-        return _one_step(pool, truth, kernels, p, watch, skip, hq, events)
+        return _one_step(rig, truth, kernels, p, skip, hq, events)
     events()
-    return _one_step(pool, truth, kernels, p, watch, skip, hq)
+    return _one_step(rig, truth, kernels, p, skip, hq)
 
 
-def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, watch: Watch,
+def _one_step(rig: Callable[[], Rig], truth: TruthStore, kernels: Kernels, p: Prepared,
               skip: dict[int, str], hq: int, events: Callable[[], None] | None = None
               ) -> Callable[[Prepared | None], Pending]:
     """The step's content, kernels and reference; `events`, if any, run between the content's
     and reference's launches and the kernels'. With a stream for the reference
     (`TruthStore.side`) it is queued there before the kernels and runs beside them."""
-    kv, q, tq = _content(pool, truth, p, hq)
+    kv, q, tq = _content(truth, p, hq)
     ref = None
     if events is not None or truth.side is not None:
         # its output from the current stream's memory: the side stream allocates nothing large
@@ -341,12 +368,13 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
             ref = reference(truth, p.dv, p.groups, q if tq is None else tq, out)
     if events is not None:
         events()
-    b = p.b
+    b, r = p.b, rig()
+    watch = r.watch
     try:
         if b.step in skip:
             watch.on_fault()
             return lambda nxt: Pending(p, None, None, skip[b.step])
-        out = kernels.run_step(pool, b, p.rows, p.dv, kv[0], kv[1], q)
+        out = kernels.run_step(r.pool, b, p.rows, p.dv, kv[0], kv[1], q)
     except KernelFault as e:
         watch.on_fault()
         msg = str(e)
@@ -359,13 +387,13 @@ def _one_step(pool: KVPool, truth: TruthStore, kernels: Kernels, p: Prepared, wa
     return lambda nxt: Pending(p, tok, watch.after_kernels(p, nxt, nxt is None))
 
 
-def _content(pool: KVPool, truth: TruthStore, p: Prepared, hq: int
+def _content(truth: TruthStore, p: Prepared, hq: int
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Engine K/V [2, nnz_a, H_kv, D] of every append and Q [nnz_q, Hq, D] of every query at
     the engine's RoPE positions, and the truth (K/V written into the store; Q returned when it
     differs from the engine's). Usually one content launch does all of it."""
-    dv = p.dv
-    dt, hkv, d = pool.data.dtype, int(pool.data.shape[3]), int(pool.data.shape[4])
+    dv = p.dv  # the store is [2, slots, H_kv, span, D] in the pool's dtype
+    dt, hkv, d = truth.kv.dtype, int(truth.kv.shape[2]), int(truth.kv.shape[4])
     if p.fill:  # new requests' prefixes, at their true positions 0..committed-1
         content_kv_q(dv["fill_tok_m@f64"], dv["fill_pos_m@f64"], hkv, hq, d, dt, False,
                      truth=(truth.kv, dv["fill_slot"], dv["fill_pos"]))

@@ -188,7 +188,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     p = Prepared(s, rows, b, stage(chunk, first), ops, False, fill, eng_nan, same, q_identity,
                  groups, _NONE, 0, _NONE)
     if first:
-        p.deferred = partial(_deferred, st, touched, arrays, prev, ok, Chunk(chunk.dev))
+        p.deferred = partial(_deferred, st, touched, arrays, prev, Chunk(chunk.dev))
     else:
         _rest(st, touched, arrays, prev, ok, chunk, p)
     return p
@@ -264,10 +264,13 @@ def complete(p: Prepared) -> None:
 
 
 def _deferred(st: HostState, touched: np.ndarray, arrays: dict[str, np.ndarray], prev: int,
-              ok: bool, chunk: Chunk, p: Prepared) -> None:
-    """`complete`'s work: `_rest` in a chunk of its own, uploaded, timed as preparation."""
+              chunk: Chunk, p: Prepared) -> None:
+    """`complete`'s work: `_rest` in a chunk of its own, uploaded, timed as preparation. Never
+    a graph step: a graph reads its content's arrays and the rest as one block, and these were
+    staged apart (the loop may set `HostState.graphs` only after the step's first part:
+    `driver.Rig`)."""
     t0 = time.perf_counter()
-    _rest(st, touched, arrays, prev, ok, chunk, p)
+    _rest(st, touched, arrays, prev, False, chunk, p)
     _uploaded(st, chunk, p, t0)
 
 
@@ -278,8 +281,7 @@ def _prompts_rest(st: HostState, flight: InFlight, chunk: Chunk, p: Prepared) ->
     arrays: dict[str, np.ndarray] = {}
     p.ops, touched = poolops.step_ops(st, p.step, flight, arrays)
     p.b = _batch(st, p.step, p.rows)
-    ok = not p.fill and not p.engine_nan and p.truth_same and p.q_identity
-    _rest(st, touched, arrays, _advance(st, p.b), ok, chunk, p)
+    _rest(st, touched, arrays, _advance(st, p.b), False, chunk, p)  # no graph: `_deferred`
     _uploaded(st, chunk, p, t0)
 
 

@@ -193,6 +193,58 @@ def test_the_prompts_reference_is_queued_before_the_rest_is_prepared(
     assert [k for k, _ in _order(trace, monkeypatch)] == ["rest", "run", "reference"]
 
 
+def test_the_loop_makes_its_pool_and_watch_once_the_first_reference_is_queued(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`driver.Rig`: the pool (its poison), the watch (its first sums) and the graphs are made
+    after the first step's content and reference are queued, not before them: the device has
+    nothing to run until that launch. Once, for every step."""
+    trace = _trace(tmp_path, "big")
+    order: list[str] = []
+    ref, pool = driver.reference, driver.KVPool
+
+    def logged_ref(*a: Any) -> torch.Tensor:
+        order.append("reference")
+        return ref(*a)
+
+    class Logged(pool):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any) -> None:
+            order.append("pool")
+            super().__init__(*a)
+
+    monkeypatch.setattr(driver, "reference", logged_ref)
+    monkeypatch.setattr(driver, "KVPool", Logged)
+    m = trace.model
+    res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+    assert res.counts()["ok"] == len(res.rows) > 0 and res.watch == "incremental"
+    assert order[:2] == ["reference", "pool"] and order.count("pool") == 1
+    assert order.count("reference") == len(prepare.replayed(trace)) > 1
+
+
+def test_a_step_deferred_before_the_graphs_are_known_is_no_graph_step(tmp_path: Path) -> None:
+    """The loop sets `HostState.graphs` only once its first step's content and reference are
+    queued (`driver.Rig`). A step deferred before then completes as an eager step with its
+    arrays whole: a graph reads the content's arrays and the rest as one block, which a deferred
+    step stages apart (the layout raised KeyError before 2026-12-04's fix)."""
+    trace = _trace(tmp_path, "big")
+    s0, s1 = prepare.replayed(trace)[:2]
+    flight = driver.in_flight_poison(trace)
+
+    def second(defer: bool) -> Prepared:
+        st = _state(trace)
+        planner = st.graphs
+        st.graphs = None if defer else planner
+        complete(prepare.prepare_step(st, s0, trace.rows[s0.step], flight, Chunk("cpu")))
+        p = prepare.prepare_step(st, s1, trace.rows[s1.step], flight, Chunk("cpu"), defer)
+        st.graphs = planner
+        complete(p)
+        return p
+
+    assert second(False).graph is not None  # a graph step when the graphs are known
+    p = second(True)
+    assert p.graph is None and p.deferred is None
+    assert {"app_tok_m", "kv_indices", "wpages"} <= set(p.dv)
+
+
 @pytest.mark.parametrize("name", ["big", "clean_mtp", "overlap_uncorrected", "append_past_alloc",
                                   *FAULTS[:4]])
 def test_the_defer_changes_no_verdict(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

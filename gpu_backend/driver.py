@@ -161,7 +161,7 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
         state.graphs = graphs.planner if graphs is not None else None  # the steps after it
         return Rig(pool, watch, graphs)
 
-    if workers:  # they lay out their steps for the graphs from their start
+    if workers:
         rig()
     res = ReplayResult(kernels.name, str(trace.path), tol)
     # the first step deferred: its content and reference run before the rest is prepared
@@ -191,11 +191,11 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
 
 @dataclass
 class Rig:
-    """The pool and what runs beside the kernels on it: the watch over its pages and the CUDA
-    graphs (None: eager). The loop's own preparation makes it once the first step's content and
-    reference are queued (the device has nothing else to run before them; its own start, the
-    pool's poison and the watch's first sums, then runs beside the reference), workers' before
-    they start."""
+    """The pool, the watch over its pages and the CUDA graphs (None: eager). With the loop's
+    own preparation it is made once the first step's content and reference are queued: nothing
+    before them reads it, so its host time leaves the serial start and its device work (the
+    pool's poison, the watch's first sums) runs beside the reference. With workers it is made
+    before they start (they lay out their steps for the graphs)."""
     pool: KVPool
     watch: Watch
     graphs: StepGraphs | None
@@ -251,7 +251,8 @@ def _loop(trace: TraceData, kernels: Kernels, truth: TruthStore, rig: Callable[[
     sent: deque[Sent] = deque()
     tokens = since = 0
     left = len(replayed(trace))  # the steps the loop runs
-    graphs: StepGraphs | None = None  # the rig's, once it is made
+    # the rig's, once it is made: the first step runs eagerly (a graph step's fallback)
+    graphs: StepGraphs | None = None
     nxt = steps.next()
     while nxt is not None:
         p = nxt

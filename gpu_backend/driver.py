@@ -42,6 +42,7 @@ from typing import Protocol
 import torch
 
 from gpu_backend import oracle
+from gpu_backend.ahead import Ahead
 from gpu_backend.boxed import Boxed
 from gpu_backend.events import in_flight_poison  # noqa: F401  (re-exported: tests, tools)
 from gpu_backend.graphs import StepGraphs
@@ -76,9 +77,9 @@ SEND_TOKENS = 1 << 16  # query tokens after which the pending steps are read bac
 # there (for the generation-step timing of rounds 5-18, which then left it out): the device sat
 # idle meanwhile, ~1 ms of a 64 x 2k replay's prompts' step (131k tokens' verdicts)
 BANK = 128  # steps the loop's own preparation may get ahead while the host would wait for the
-# device (`Ahead`): a long step's device time (the prompts' step, ~29 ms at batch 64 x kv 2k on
-# the H200) then goes to preparing the steps after it instead of to a sync
-BANK_WORDS = 1 << 25  # ... and int64 words of their chunks (256 MiB pinned, as much on the device)
+# device (`Ahead`; and `ahead.BANK_WORDS` words): a long step's device time (the prompts' step,
+# ~29 ms at batch 64 x kv 2k on the H200) then goes to preparing the steps after it instead of
+# to a sync
 # the replay's freed memory is not handed back to the system at its end (`sim.heap.kept`): the
 # trim took 0.9-1.6 ms of the wall on the H200's host, after the device had finished (round 32);
 # the process keeps the memory for its next use
@@ -207,38 +208,6 @@ def _reference_beside(kernels: Kernels, device: torch.device | str) -> bool:
     the device too."""
     timed = getattr(kernels, "timing", False) or getattr(kernels, "attn_timing", False)
     return oracle.BESIDE and torch.device(device).type == "cuda" and not timed
-
-
-class Ahead:
-    """The prepared steps in order, some pulled ahead of the loop (at most `bank`) while the
-    host would otherwise wait for the device (`fill`)."""
-
-    def __init__(self, steps: Iterator[Prepared], bank: int):
-        self.steps, self.bank = steps, bank
-        self.banked: deque[Prepared] = deque()
-        self.pulled = 0  # steps prepared ahead in all
-        self.words = 0  # of the chunks that banked steps came in since the bank was last empty
-        self.chunk: object = None
-
-    def next(self) -> Prepared | None:
-        if not self.banked:
-            self.words = 0
-            return next(self.steps, None)
-        return self.banked.popleft()
-
-    def fill(self, busy: torch.cuda.Event | None) -> None:
-        """Prepare steps until the device has done the work before `busy` (None: no device
-        work to wait for) or the bank is full. Past the event by one step's preparation at
-        most."""
-        while busy is not None and len(self.banked) < self.bank and \
-                self.words < BANK_WORDS and not busy.query():
-            p = next(self.steps, None)
-            if p is None:
-                return
-            self.banked.append(p)
-            self.pulled += 1
-            if p.dv.chunk is not self.chunk:
-                self.chunk, self.words = p.dv.chunk, self.words + p.dv.chunk.n
 
 
 def _loop(trace: TraceData, kernels: Kernels, truth: TruthStore, rig: Callable[[], Rig],

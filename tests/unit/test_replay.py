@@ -430,7 +430,7 @@ def test_the_loop_prepares_ahead_while_the_device_is_busy(
 
     from gpu_backend import driver
 
-    monkeypatch.setattr(driver, "BANK_WORDS", words)
+    monkeypatch.setattr("gpu_backend.ahead.BANK_WORDS", words)
     chunks = [SimpleNamespace(n=100) for _ in range(4)]  # two steps a chunk
     pulled: list[int] = []
 

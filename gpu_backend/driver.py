@@ -175,7 +175,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
             # workers' slots registered with CUDA), outside the timed steps
             for undo in state.cleanup:
                 undo()
-    res.watch = rig().watch.name
+    r = rig()
+    res.watch = r.watch.name
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
     res.stats["prepare_workers"] = workers
     res.stats["prepared_ahead"] = ahead.pulled
@@ -184,9 +185,8 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     stats = getattr(kernels, "stats", None)
     if callable(stats):
         res.stats |= stats()
-    graphs = rig().graphs
-    if graphs is not None:
-        res.stats |= graphs.stats()
+    if r.graphs is not None:
+        res.stats |= r.graphs.stats()
     return res
 
 

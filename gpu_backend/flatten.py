@@ -36,6 +36,18 @@ def flatten(q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
     app_row, app_rope, engine_write, write_ok, allowed_pages, reject_page, reject_slot.
     `ind`/`indptr`: the engine's flat table (engine ids) and row offsets; `shared`: sorted engine
     ids of blocks with more than one holder. Same rules as the numpy path, see there."""
+    return _flat(False, q_len, a_len, append_pos, rope_pos, tokens, committed, alloc,
+                 alloc_len, lead, is_gen, new_tokens, indptr, ind, shared, B, guard, tail)
+
+
+@nb.njit(cache=True)
+def _flat(same: bool, q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
+          rope_pos: np.ndarray, tokens: np.ndarray, committed: np.ndarray, alloc: np.ndarray,
+          alloc_len: np.ndarray, lead: np.ndarray, is_gen: np.ndarray, new_tokens: np.ndarray,
+          indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray, B: int, guard: int, tail: int
+          ) -> tuple[np.ndarray, ...]:
+    """`flatten`; same: every row's appends are its queries, and the query tokens, app_row and
+    app_rope come back empty (they are tokens, row_of_token and rope_pos: `run`)."""
     R = len(q_len)
     qo = np.zeros(R + 1, np.int32)
     for r in range(R):
@@ -43,22 +55,23 @@ def flatten(q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
     nq, na = qo[R], a_len.sum()
     kv_indices = np.empty(len(ind) + tail, np.int32)
     _indices(ind, guard, kv_indices)
-    o = _outputs(nq, na)
-    n_mine, n_rej = rows(0, R, 0, 0, 0, q_len, a_len, append_pos, rope_pos, tokens, committed,
-                         alloc, alloc_len, lead, is_gen, new_tokens, indptr, ind, shared, B,
-                         guard, len(ind) + tail, o[0], o[1], o[2], o[3], o[4], o[5], o[6], o[7],
-                         o[8], o[9])
+    o = _outputs(nq, na, same)
+    n_mine, n_rej = rows(same, 0, R, 0, 0, 0, q_len, a_len, append_pos, rope_pos, tokens,
+                         committed, alloc, alloc_len, lead, is_gen, new_tokens, indptr, ind,
+                         shared, B, guard, len(ind) + tail, o[0], o[1], o[2], o[3], o[4], o[5],
+                         o[6], o[7], o[8], o[9])
     return (qo, kv_indices, o[0], o[1], o[2], o[3], o[4], o[5], o[6],
             distinct(o[7][:n_mine]), o[8][:n_rej], o[9][:n_rej])
 
 
 @nb.njit(cache=True)
-def _outputs(nq: int, na: int) -> tuple[np.ndarray, ...]:
+def _outputs(nq: int, na: int, same: bool = False) -> tuple[np.ndarray, ...]:
     """`rows`' arrays for nq queries and na appends: row_of_token, true_pos, tokens of the
     queries; app_row, app_rope, engine_write, write_ok; their own pages, rejected pages and
-    slots (room for one an append)."""
-    return (np.empty(nq, np.int32), np.empty(nq, np.int64), np.empty(nq, np.int64),
-            np.empty(na, np.int32), np.empty(na, np.int64), np.empty(na, np.int64),
+    slots (room for one an append). same: the queries' tokens, app_row and app_rope empty."""
+    nt, nr = (0, 0) if same else (nq, na)
+    return (np.empty(nq, np.int32), np.empty(nq, np.int64), np.empty(nt, np.int64),
+            np.empty(nr, np.int32), np.empty(nr, np.int64), np.empty(na, np.int64),
             np.zeros(na, np.bool_), np.empty(na, np.int64), np.empty(na, np.int64),
             np.empty(na, np.int64))
 
@@ -73,8 +86,8 @@ def _indices(ind: np.ndarray, guard: int, out: np.ndarray) -> None:
 
 
 @nb.njit(cache=True, nogil=True)
-def rows(r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarray, a_len: np.ndarray,
-         append_pos: np.ndarray, rope_pos: np.ndarray, tokens: np.ndarray,
+def rows(same: bool, r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarray,
+         a_len: np.ndarray, append_pos: np.ndarray, rope_pos: np.ndarray, tokens: np.ndarray,
          committed: np.ndarray, alloc: np.ndarray, alloc_len: np.ndarray, lead: np.ndarray,
          is_gen: np.ndarray, new_tokens: np.ndarray, indptr: np.ndarray, ind: np.ndarray,
          shared: np.ndarray, B: int, guard: int, n_ind: int, row_of_token: np.ndarray,
@@ -84,7 +97,8 @@ def rows(r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarray, a_len: np
     """`flatten`'s per-token arrays for rows r0..r1-1, whose first query is q, first append a,
     and whose truth blocks start at alloc[p0]. Their own pages and rejected slots (at most one
     an append) go to mine and rej_* from index a on: returns where each ends. Releases the
-    GIL: `split` runs parts of a long step's rows on threads."""
+    GIL: `split` runs parts of a long step's rows on threads. same: every row's appends are its
+    queries; tok_q, app_row and app_rope are left unwritten (they would be copies: `run`)."""
     # a page size of 2^sh divides by a shift (floor division and modulo alike, negatives too)
     sh = 0
     while (1 << sh) < B:
@@ -95,13 +109,17 @@ def rows(r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarray, a_len: np
         ql, cm = q_len[r], committed[r]
         for j in range(ql):
             row_of_token[q + j], true_pos[q + j] = r, cm + j
-            tok_q[q + j] = tokens[a + j]
+        if not same:
+            for j in range(ql):
+                tok_q[q + j] = tokens[a + j]
         q += ql
         last = -1  # the truth's block of the last append: its page and checks hold for a run
         page, mine_ok = -1, False
+        if not same:
+            for j in range(a_len[r]):
+                app_row[a + j] = r
+                app_rope[a + j] = rope_pos[q - ql + j] if j < ql else append_pos[a + j]
         for j in range(a_len[r]):
-            app_row[a] = r
-            app_rope[a] = rope_pos[q - ql + j] if j < ql else append_pos[a]
             # the engine's append: indices[indptr[r] + pos // B], no bounds check (reference §3)
             s = indptr[r] + _div(append_pos[a], B, sh)
             e = -1  # outside the table and its tail
@@ -169,18 +187,29 @@ def run(*args: Any) -> tuple[np.ndarray, ...]:
     """`flatten(*args)`, or `split` across the host's threads for a long step
     (`hostpool.parts` of its appends)."""
     parts = hostpool.parts(len(args[2]))  # append_pos
-    return split(parts, *args) if parts > 1 else flatten(*args)
+    q_len, a_len, rope_pos, tokens = args[0], args[1], args[3], args[4]
+    same = len(q_len) > 0 and tokens.dtype == rope_pos.dtype == np.int64 and \
+        bool(np.array_equal(q_len, a_len))
+    if not same:
+        return split(parts, *args) if parts > 1 else flatten(*args)
+    # every row's appends are its queries (a prompts' step): the queries' tokens, app_row and
+    # app_rope are tokens, row_of_token and rope_pos, not copies written token by token (a
+    # third of a 64 x 2k prompts' step's pass, round 44); `layout.bad_lengths` holds both to a
+    # value a query
+    f = split(parts, *args, same=True) if parts > 1 else _flat(True, *args)
+    return (*f[:4], tokens, f[2], rope_pos, *f[7:])
 
 
 def split(parts: int, q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarray,
           rope_pos: np.ndarray, tokens: np.ndarray, committed: np.ndarray, alloc: np.ndarray,
           alloc_len: np.ndarray, lead: np.ndarray, is_gen: np.ndarray, new_tokens: np.ndarray,
           indptr: np.ndarray, ind: np.ndarray, shared: np.ndarray, B: int, guard: int,
-          tail: int) -> tuple[np.ndarray, ...]:
+          tail: int, *, same: bool = False) -> tuple[np.ndarray, ...]:
     """`flatten` with its rows in `parts` runs of about as many appends, one a thread
     (`hostpool`; `rows` releases the GIL), the kv indices on one more: the same arrays. For a
     long step, the prompts' step, whose preparation the device waits for: 128 x 2k's 262k
-    appends took 1.64 against 2.26 ms on 8 threads of the H200's host (round 29)."""
+    appends took 1.64 against 2.26 ms on 8 threads of the H200's host (round 29).
+    same: as `_flat`'s."""
     R = len(q_len)
     qo = np.zeros(R + 1, np.int32)
     qo[1:] = np.cumsum(q_len)
@@ -190,12 +219,12 @@ def split(parts: int, q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarr
     p0[1:] = np.cumsum(alloc_len)
     nq, na, n_ind = int(qo[R]), int(a0[R]), len(ind) + tail
     kv_indices = np.empty(n_ind, np.int32)
-    o = _outputs(nq, na)
+    o = _outputs(nq, na, same)
     # rows [cut[i], cut[i + 1]): about na / parts appends each
     cut = np.unique(np.concatenate([[0], np.searchsorted(a0, np.arange(1, parts) * na // parts),
                                     [R]]))
     jobs: list[Callable[[], Any]] = [partial(_indices, ind, guard, kv_indices)]
-    jobs += [partial(rows, int(r0), int(r1), int(qo[r0]), int(a0[r0]), int(p0[r0]), q_len,
+    jobs += [partial(rows, same, int(r0), int(r1), int(qo[r0]), int(a0[r0]), int(p0[r0]), q_len,
                      a_len, append_pos, rope_pos, tokens, committed, alloc, alloc_len, lead,
                      is_gen, new_tokens, indptr, ind, shared, B, guard, n_ind, *o)
              for r0, r1 in zip(cut[:-1], cut[1:], strict=True)]

@@ -224,6 +224,8 @@ def _runs(is_ctx: np.ndarray, q_len: np.ndarray) -> tuple[tuple[int, int, str], 
     first in ~2 µs."""
     if len(q_len) and not is_ctx.any() and (q_len == q_len[0]).all():
         return ((0, len(q_len), _KINDS[1 if q_len[0] == 1 else 2]),)
+    if len(q_len) and is_ctx.all():  # a prompts' step: 2 µs against ~45
+        return ((0, len(q_len), _KINDS[0]),)
     kind = np.where(is_ctx, 0, np.where(q_len == 1, 1, 2))
     cut = np.flatnonzero(np.diff(kind)) + 1
     starts = np.concatenate([[0], cut]).tolist() if len(kind) else []

@@ -83,13 +83,34 @@ def distinct(a: np.ndarray) -> np.ndarray:
     """np.unique of int64 values, sorted: numba's np.unique builds lists (~10 µs of
     `flatten.flatten`'s ~45 at batch 64) and compiles for seconds more."""
     s = a.copy()  # contiguous whatever the slice: one sort compiled, not one a layout
-    s.sort()
+    i = 1
+    while i < len(s) and s[i - 1] <= s[i]:
+        i += 1
+    if i < len(s):  # a prompts' step's ~8k own pages come in order: 54 µs of sorting saved
+        s.sort()
     n = 0
     for i in range(len(s)):
         if i == 0 or s[i] != s[n - 1]:
             s[n] = s[i]
             n += 1
     return s[:n]
+
+
+@nb.njit(cache=True)
+def runs(x: np.ndarray) -> np.ndarray:
+    """`intsets.runs` in one branchless pass: each run of equal values down to its first (a
+    prompts' step's 131k write targets to ~8k in 53 µs, against 114 for numpy's compare and
+    compress on a development machine, round 44)."""
+    out = np.empty(len(x), x.dtype)
+    if not len(x):
+        return out
+    out[0] = x[0]
+    m = 1
+    for k in range(1, len(x)):
+        v = x[k]
+        out[m] = v
+        m += v != x[k - 1]
+    return out[:m]
 
 
 @nb.njit(cache=True)
@@ -242,11 +263,15 @@ def row_positions(tokens: np.ndarray, rope_pos: np.ndarray, q_len: np.ndarray,
         c, ql = committed[r], q_len[r]
         if t + ql > len(tokens) or c < 0 or c + ql > M:
             return -1
-        bad = 0  # no branch inside the row's loop
+        # reductions LLVM vectorizes (xor-or, min, max over the row's slices): 24 against 129
+        # µs at a 64 x 2k prompts' step with the comparisons or-ed as booleans (round 44)
+        x, k = rope_pos[t: t + ql], tokens[t: t + ql]
+        bad, lo, hi = 0, 0, 0
         for j in range(ql):
-            k = tokens[t + j]
-            bad |= (rope_pos[t + j] != c + j) | (k < 0) | (k >= M)
-        if bad:
+            bad |= x[j] ^ (c + j)
+            lo = min(lo, k[j])
+            hi = max(hi, k[j])
+        if bad != 0 or lo < 0 or hi >= M:
             return -1
         t += ql
         if ql:
@@ -267,3 +292,4 @@ def warm() -> None:
     content(z, z, z, z, 3)
     token_rows(z, z)
     row_positions(z, z, z, z, 3)
+    runs(z)

@@ -37,7 +37,7 @@ def _numpy_targets(b: StepBatch, pages: int, touched: np.ndarray | None) -> tupl
     first; how many of the latter). touched: the pages the events touched, sorted, distinct."""
     ew = b.engine_write
     if len(ew) > 4096:  # a page's appends come in runs: ~16x fewer values to mask (131k -> 8k)
-        ew = runs(ew)
+        ew = prepk.runs(ew) if prepk.ENABLED else runs(ew)
     w = unique(ew[(ew >= 0) & (ew < pages)])
     if touched is None:
         return w, len(w)

@@ -87,7 +87,7 @@ def worker_steps(trace: TraceData, state: HostState, device: torch.device | str,
     from gpu_backend import fa2plan, flatten, prepk
 
     # numba's compiles or cache loads, once here, not in every worker
-    if steps and not flatten.flatten.signatures:
+    if steps and not (flatten.flatten.signatures or flatten._flat.signatures):
         s = steps[0]
         build_step(s, trace.rows[s.step], trace.model.page_size, state.guard,
                    np.zeros(0, np.int64), trace.columns.get(s.step))

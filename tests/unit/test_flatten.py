@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -54,7 +55,8 @@ def _rows(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], int, int, np.ndarray]
          "shared_blocks": per_row(st.integers(0, 3)), "new_tokens": per_row(st.integers(0, 4)),
          "is_gen": np.array(draw(st.lists(st.booleans(), min_size=R, max_size=R))),
          "alloc_len": per_row(st.integers(0, 6)), "pages_len": per_row(st.integers(0, 6))}
-    c["append_pos_len"] = c["q_len"] + per_row(st.integers(0, 2))  # device-ahead extras
+    # device-ahead extras, or none: every row's appends its queries (`flatten.run`'s `same`)
+    c["append_pos_len"] = c["q_len"] + (per_row(st.integers(0, 2)) if draw(st.booleans()) else 0)
     c["append_pos"] = lists(c["append_pos_len"], st.integers(-5, 40))
     c["tokens"] = lists(c["append_pos_len"], st.integers(0, 99))
     c["rope_pos"] = lists(c["q_len"], st.integers(0, 40))
@@ -117,6 +119,22 @@ def test_the_threaded_pass_gives_the_one_pass_arrays(
     _equal(flatten.split(parts, *args), flatten.flatten(*args))
 
 
+@settings(max_examples=300, deadline=None)
+@given(_rows(), st.sampled_from(["fa2", "xqa"]), st.integers(1, 6))
+def test_the_layouts_pass_gives_the_one_pass_arrays(
+        case: tuple[dict[str, np.ndarray], int, int, np.ndarray], backend: str,
+        parts: int) -> None:
+    """`flatten.run`, in one call or split, gives `flatten`'s arrays; where every row's appends
+    are its queries, three of them are its inputs (tokens, rope_pos) and row_of_token."""
+    c, B, guard, shared = case
+    args = _args(c, B, guard, shared, backend)
+    with mock.patch.object(hostpool, "parts", lambda n: parts):
+        got = flatten.run(*args)
+    _equal(got, flatten.flatten(*args))
+    if np.array_equal(c["q_len"], c["append_pos_len"]):
+        assert got[4] is c["tokens"] and got[6] is c["rope_pos"] and got[5] is got[2]
+
+
 @pytest.mark.parametrize("name", ["clean_mtp", "shared_block_written", "append_past_alloc",
                                   "overlap_uncorrected"])
 def test_a_long_step_is_split_across_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -128,9 +146,9 @@ def test_a_long_step_is_split_across_threads(tmp_path: Path, monkeypatch: pytest
     calls: list[int] = []
     real = flatten.split
 
-    def split(parts: int, *args: Any) -> tuple[np.ndarray, ...]:
+    def split(parts: int, *args: Any, **kw: Any) -> tuple[np.ndarray, ...]:
         calls.append(parts)
-        return real(parts, *args)
+        return real(parts, *args, **kw)
 
     monkeypatch.setattr(flatten, "split", split)
     monkeypatch.setattr(hostpool, "threads", lambda: 3)

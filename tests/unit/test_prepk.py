@@ -113,9 +113,9 @@ def test_every_step_split_across_threads_is_prepared_the_same(
     for mod, fn in ((flatten, "split"), (prepk, "content_split")):
         real = getattr(mod, fn)
 
-        def counted(*a: Any, _real: Any = real, _fn: str = fn) -> Any:
+        def counted(*a: Any, _real: Any = real, _fn: str = fn, **kw: Any) -> Any:
             calls[_fn] += 1
-            return _real(*a)
+            return _real(*a, **kw)
 
         monkeypatch.setattr(mod, fn, counted)
     got = _steps(trace)
@@ -205,6 +205,15 @@ def test_the_identity_groups_numbers_are_numpys(rows: list[tuple[int, int]], W: 
     assert limit.dtype == want.dtype and np.array_equal(limit, want)
     assert consecutive == (len(slots) == 1 or bool((np.diff(slots) == 1).all()))
     assert (top, low) == (int(committed.max()) + W, int(want.min()) + 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 40), max_size=40), st.booleans())
+def test_distinct_is_np_unique_in_order_or_not(xs: list[int], in_order: bool) -> None:
+    # values already in order skip the sort (a prompts' step's own pages): the same answer
+    x = np.array(sorted(xs) if in_order else xs, dtype=np.int64)
+    assert prepk.distinct(x).tolist() == np.unique(x).tolist()
+    assert prepk.distinct(x[::2]).tolist() == np.unique(x[::2]).tolist()  # a strided view
 
 
 @settings(max_examples=200, deadline=None)

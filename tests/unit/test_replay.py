@@ -262,6 +262,20 @@ def test_member_is_isin_on_sorted_keys(xs: list[int], keys: list[int]) -> None:
     assert member(x, k).tolist() == np.isin(x, k).tolist()
 
 
+@given(st.lists(st.integers(-5, 40), min_size=1, max_size=30), st.integers(0, 29),
+       st.integers(-7, 45))
+def test_member_of_keys_of_its_own_length_is_isin(keys: list[int], at: int, value: int) -> None:
+    # the keys themselves take a shortcut (a prompts' step's targets are its allocated pages);
+    # an array of their length that differs in one value must not
+    from gpu_backend.intsets import member
+
+    k = np.sort(np.array(keys, dtype=np.int64))
+    off = k.copy()
+    off[at % len(k)] = value
+    for x in (k, off):
+        assert member(x, k).tolist() == np.isin(x, k).tolist()
+
+
 @given(st.lists(st.integers(-5, 40), max_size=30), st.integers(1, 700))
 def test_unique_is_np_unique(xs: list[int], repeat: int) -> None:
     # repeated in runs past 4096 values: the runs are collapsed before the sort

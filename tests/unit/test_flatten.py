@@ -57,7 +57,16 @@ def _rows(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], int, int, np.ndarray]
          "alloc_len": per_row(st.integers(0, 6)), "pages_len": per_row(st.integers(0, 6))}
     # device-ahead extras, or none: every row's appends its queries (`flatten.run`'s `same`)
     c["append_pos_len"] = c["q_len"] + (per_row(st.integers(0, 2)) if draw(st.booleans()) else 0)
-    c["append_pos"] = lists(c["append_pos_len"], st.integers(-5, 40))
+    if draw(st.booleans()):
+        c["append_pos"] = lists(c["append_pos_len"], st.integers(-5, 40))
+    else:  # each row at consecutive positions from its own start (`flatten.rows` takes such a
+        # run a table entry and a truth block at once: their edges need not line up), one moved
+        at = per_row(st.integers(-5, 20))
+        c["append_pos"] = np.concatenate([np.zeros(0, np.int64)] + [
+            x + np.arange(n, dtype=np.int64) for x, n in zip(at, c["append_pos_len"], strict=True)])
+        if len(c["append_pos"]) and draw(st.booleans()):
+            c["append_pos"][draw(st.integers(0, len(c["append_pos"]) - 1))] += \
+                draw(st.sampled_from([-1, 1, 7]))
     c["tokens"] = lists(c["append_pos_len"], st.integers(0, 99))
     c["rope_pos"] = lists(c["q_len"], st.integers(0, 40))
     c["alloc"] = lists(c["alloc_len"], ints)

@@ -14,9 +14,12 @@ SPLIT = 1 << 15
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
+_CPUS = os.cpu_count() or 1  # asked once: the call is a system call, twice a prompts' step
+
+
 def threads() -> int:
     """Threads a long step's passes are split across on this host (1: not split)."""
-    return min(THREADS, os.cpu_count() or 1)
+    return min(THREADS, _CPUS)
 
 
 def parts(n: int) -> int:

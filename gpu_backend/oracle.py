@@ -218,7 +218,7 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
         if out is None:
             out = torch.empty((n, Hq, D), dtype=torch.float32, device=q.device)
         into = out[at].view(g.R, g.W, Hq, D) if fused is not None and g.view else None
-        o = fused.attend(qg, truth.kv, dv[pre + "slots"], dv[pre + "limit"], g.L, out=into) \
+        o = fused.attend(qg, truth.kv, dv[pre + "slots"], group_limit(dv, g), g.L, out=into) \
             if fused is not None else attend_group(truth, dv, g, qg)
         if into is not None:  # written in place
             continue
@@ -231,13 +231,22 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
     return out
 
 
+def group_limit(dv: StepArrays, g: RefGroup) -> torch.Tensor:
+    """Group g's limits on the device, [R, W]: query j of row i sees keys up to limit[i, j]. A
+    context row's own group reads them from the step's true positions (`RefGroup.true_limit`)."""
+    if g.true_limit:
+        assert g.span is not None
+        return dv["true_pos"][g.span[0]: g.span[1]].view(1, g.W)
+    return dv[g.pre + "limit"]
+
+
 def attend_group(truth: TruthStore, dv: StepArrays, g: RefGroup, qg: torch.Tensor
                  ) -> torch.Tensor:
     """`attend` of one group's queries over its truth K/V (consecutive slots: views, no
     gather)."""
     sel = slice(g.s0, g.s0 + g.R) if g.s0 >= 0 else dv[g.pre + "slots"]
     k, v = truth.kv[0, sel, :, : g.L], truth.kv[1, sel, :, : g.L]
-    return attend(qg, k, v, dv[g.pre + "limit"], g.lo)
+    return attend(qg, k, v, group_limit(dv, g), g.lo)
 
 
 def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:

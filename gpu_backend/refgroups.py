@@ -32,6 +32,9 @@ class RefGroup:
     # `{pre}rows` [3, R] holds each row's first token, queries and committed keys; q and the
     # output are the step's own, by token
     ragged: bool = False
+    # a context row alone: its limits (committed + j) are the step's true positions over
+    # `span`, which the step stages anyway, not `{pre}limit` (`oracle.group_limit`)
+    true_limit: bool = False
 
     @property
     def view(self) -> bool:
@@ -101,12 +104,14 @@ def ref_groups(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarray],
 def _single_row_group(b: StepBatch, r: int, slots: np.ndarray, arrays: dict[str, np.ndarray],
                       pre: str) -> RefGroup:
     """`ref_groups`' group of row r alone (a context row): its W queries are tokens
-    qo[r] .. qo[r] + W - 1 in order, query j sees keys up to committed + j. A prompts' step has
-    one per row: the general arithmetic took ~55 µs a row on a development machine."""
+    qo[r] .. qo[r] + W - 1 in order, query j sees keys up to committed + j: the tokens' true
+    positions (`RefGroup.true_limit`). A prompts' step has one per row: the general arithmetic
+    took ~55 µs a row on a development machine, and its staged limits were a word a query (4 MB
+    at 64 x 8k, ~1 ms of the host's time before the step's first launch, round 44)."""
     W, c, q0 = int(b.q_len[r]), int(b.committed[r]), int(b.qo_indptr[r])
-    j = np.arange(W, dtype=np.int64)
-    arrays |= {pre + "limit": (c + j)[None, :], pre + "slots": slots[r: r + 1]}
-    return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W))
+    arrays[pre + "slots"] = slots[r: r + 1]
+    return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W),
+                    true_limit=True)
 
 
 def _together(b: StepBatch, ctx: np.ndarray) -> np.ndarray:

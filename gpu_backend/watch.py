@@ -40,9 +40,10 @@ class Unseen(Exception):
 class FullWatch:
     name = "full"
 
-    def __init__(self, pool: KVPool):
+    def __init__(self, pool: KVPool, sums: torch.Tensor | None = None):
         self.pool = pool
-        self.sums = pool.checksum()  # every page's sum as of the last look
+        # every page's sum as of the last look (sums: the pool's, known without a look)
+        self.sums = pool.checksum() if sums is None else sums
 
     def before_events(self, p: Prepared) -> None:
         pass
@@ -70,9 +71,10 @@ class FullWatch:
 class IncrementalWatch:
     name = "incremental"
 
-    def __init__(self, pool: KVPool, every: int = EVERY):
+    def __init__(self, pool: KVPool, sums: torch.Tensor | None = None, every: int = EVERY):
         self.pool, self.every, self.n = pool, every, 0
-        self.sums = pool.checksum()  # expected sums
+        # expected sums (sums: the pool's, known without a look: `KVPool.fresh_checksum`)
+        self.sums = pool.checksum() if sums is None else sums
         self.pre = torch.zeros_like(self.sums)  # the targets' sums before the step's kernels
         # step stamp of the last step whose targets included the page (-1: none yet)
         self.stamp = torch.full_like(self.sums, -1)

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from replay_traces import SCENARIOS
 from watch_cases import CASES, Stray, find_case
 
 from gpu_backend import driver
 from gpu_backend.driver import replay
+from gpu_backend.pool import KVPool
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData, load_trace
@@ -75,3 +77,17 @@ def test_read_backs_after_every_step_change_nothing(tmp_path: Path,
         monkeypatch.setattr(driver, name, n)
     got = _replay(trace, "incremental", kernels())
     assert _rows(got) == _rows(want) and got.watch == want.watch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("pages", "guard", "page_size", "heads", "dim"),
+                         [(1, 0, 1, 1, 4), (9, 2, 16, 2, 8), (40, 16, 4, 1, 128)])
+def test_a_fresh_pools_sums_are_its_whole_checksum(dtype: torch.dtype, pages: int, guard: int,
+                                                  page_size: int, heads: int, dim: int) -> None:
+    """`KVPool.fresh_checksum` (the watch's first sums, without reading the pool) is the whole
+    pool's checksum while nothing has written it, and a tensor of its own the watch updates."""
+    pool = KVPool(pages, guard, page_size, heads, dim, dtype, "cpu")
+    got = pool.fresh_checksum()
+    assert got.tolist() == pool.checksum().tolist() and got.is_contiguous()
+    got[0] += 1  # a broadcast view of one page's sum would refuse the write
+    assert got[0] != pool.checksum()[0] and pool.fresh_checksum()[0] == pool.checksum()[0]

@@ -107,11 +107,14 @@ def rows(same: bool, r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarra
     m0 = n_mine = n_rej = a
     for r in range(r0, r1):
         ql, cm = q_len[r], committed[r]
+        # a fill and a loop of its own each: written in one loop (a tuple store), they took 5x
+        # as long at a 64 x 2k prompts' step (113 against 21 µs: LLVM vectorizes these)
+        row_of_token[q: q + ql] = r
+        tp = true_pos[q: q + ql]
         for j in range(ql):
-            row_of_token[q + j], true_pos[q + j] = r, cm + j
+            tp[j] = cm + j
         if not same:
-            for j in range(ql):
-                tok_q[q + j] = tokens[a + j]
+            tok_q[q: q + ql] = tokens[a: a + ql]
         q += ql
         last = -1  # the truth's block of the last append: its page and checks hold for a run
         page, mine_ok = -1, False

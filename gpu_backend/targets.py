@@ -35,10 +35,10 @@ def targets(b: StepBatch, pages: int, touched: np.ndarray | None
 def _numpy_targets(b: StepBatch, pages: int, touched: np.ndarray | None) -> tuple[np.ndarray, int]:
     """(the pages the step's appends target inside the pool, those its events did not touch
     first; how many of the latter). touched: the pages the events touched, sorted, distinct."""
-    ew = b.engine_write
-    if len(ew) > 4096:  # a page's appends come in runs: ~16x fewer values to mask (131k -> 8k)
+    ew, long = b.engine_write, len(b.engine_write) > 4096
+    if long:  # a page's appends come in runs: ~16x fewer values to mask (131k -> 8k)
         ew = prepk.runs(ew) if prepk.ENABLED else runs(ew)
-    w = unique(ew[(ew >= 0) & (ew < pages)])
+    w = unique(ew[(ew >= 0) & (ew < pages)], collapse=not long)
     if touched is None:
         return w, len(w)
     hit = member(w, touched)

@@ -284,6 +284,7 @@ def test_unique_is_np_unique(xs: list[int], repeat: int) -> None:
     x = np.repeat(np.array(xs, dtype=np.int64), repeat)
     got = unique(x)
     assert got.dtype == np.int64 and got.tolist() == np.unique(x).tolist()
+    assert unique(x, collapse=False).tolist() == got.tolist()  # runs left in: the same set
 
 
 @given(st.lists(st.integers(-5, 40), max_size=40), st.integers(1, 40), st.booleans())

@@ -14,7 +14,7 @@ SPLIT = 1 << 15
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
-_CPUS = os.cpu_count() or 1  # asked once: the call is a system call, twice a prompts' step
+_CPUS = os.cpu_count() or 1  # asked once: each call reads the kernel's CPU list (twice a step)
 
 
 def threads() -> int:

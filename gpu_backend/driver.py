@@ -248,7 +248,7 @@ def _loop(trace: TraceData, kernels: Kernels, truth: TruthStore, rig: Callable[[
         wait_all = since >= FLUSH or nxt is None
         # toward the end, read-backs of fewer steps (module docstring)
         if wait_all or len(pending) >= min(EARLY, left) or tokens >= SEND_TOKENS:
-            sent.append(send(pending))
+            sent.append(send(pending, watch.stale() if wait_all else None))
             tokens = 0
             if graphs is not None:
                 graphs.seal()  # the next read-back's steps in an arena of their own

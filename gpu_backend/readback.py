@@ -47,10 +47,14 @@ class Sent:
     moved: torch.Tensor | None
     ready: torch.cuda.Event | None
     home: tuple[torch.Tensor, int] | None = None
+    # the watch's stale flag as of these steps, on its way too (a settle's last read-back:
+    # reading it after the others cost the replay's tail one more sync)
+    stale: torch.Tensor | None = None
 
 
-def send(pending: list[Pending]) -> Sent:
-    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`."""
+def send(pending: list[Pending], stale: torch.Tensor | None = None) -> Sent:
+    """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`;
+    stale: the watch's flag (`Watch.stale`), read back with them."""
     first = pending[0].tok if pending else None
     if isinstance(first, Boxed) and all(isinstance(x.tok, Boxed) and x.tok.arena is first.arena
                                         for x in pending):
@@ -64,8 +68,10 @@ def send(pending: list[Pending]) -> Sent:
         moved = [x.changed for x in steps if isinstance(x.changed, torch.Tensor)]
         out = Sent(steps, _to_host(torch.cat(toks, 1)) if toks else None,
                    _to_host(torch.cat(moved)) if moved else None, None)
+    if stale is not None:
+        out.stale = _to_host(stale)
     if any(x is not None and x.is_pinned()
-           for x in (out.toks, out.moved, out.home[0] if out.home else None)):
+           for x in (out.toks, out.moved, out.home[0] if out.home else None, out.stale)):
         out.ready = torch.cuda.Event()
         out.ready.record()
     pending.clear()
@@ -100,14 +106,16 @@ def settle(res: ReplayResult, sent: deque[Sent], watch: Watch) -> None:
     """Wait for every read-back and append their verdicts, each judged as soon as it has
     arrived (the oldest first, while the device runs the later ones' steps: a prompts' step's
     131k tokens are judged beside the generation steps after it), then raise Unseen if the
-    incremental watch saw a page change outside the steps' targets (its flag read after all of
-    them: a sync; the replay is then made again in full, these verdicts dropped)."""
+    incremental watch saw a page change outside the steps' targets (its flag as the last
+    read-back brought it, or read after all of them: a sync; the replay is then made again in
+    full, these verdicts dropped)."""
+    flag = sent[-1].stale if sent else None
     while sent:
         s = sent.popleft()
         if s.ready is not None:
             s.ready.synchronize()
         _verdicts(res, s, watch)
-    flag = watch.stale()
+    flag = watch.stale() if flag is None else flag
     if flag is not None and int(flag.item()):
         raise Unseen("a page changed outside the steps' target pages")
 

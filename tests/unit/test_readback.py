@@ -37,9 +37,9 @@ def test_a_long_prompt_step_is_read_back_alone_without_a_wait(
     log: list[tuple[str, list[int]]] = []
     send, settle = driver.send, driver.settle
 
-    def logged_send(pending: list[Any]) -> Any:
+    def logged_send(pending: list[Any], *flag: Any) -> Any:
         log.append(("send", [x.p.b.step for x in pending]))
-        return send(pending)
+        return send(pending, *flag)
 
     def logged_settle(res: Any, sent: Any, watch: Any) -> None:
         log.append(("settle", []))
@@ -53,17 +53,36 @@ def test_a_long_prompt_step_is_read_back_alone_without_a_wait(
     assert all(len(steps) <= driver.EARLY for k, steps in log if k == "send")
 
 
-def test_a_settle_judges_each_read_back_before_it_reads_the_flag(
+def test_a_settles_last_read_back_brings_the_flag_judged_after_every_verdict(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The incremental watch's stale flag travels with a settle's last read-back (no read of its
+    own after the device's end: one sync less in the replay's tail), and the settle looks at it
+    only once every read-back's verdicts are in; it reads the watch itself no more."""
     trace = load_trace(named_trace(tmp_path, "big", 40))
     order: list[str] = []
-    verdicts = readback._verdicts
+    verdicts, send, real = readback._verdicts, driver.send, readback.settle
+    flags: list[Any] = []
 
     def logged_verdicts(res: Any, s: Any, watch: Any) -> None:
         order.append("verdicts")
         verdicts(res, s, watch)
 
-    class Flagged:  # the incremental watch's stale flag, read once its verdicts are in
+    class Flag:  # the flag as the read-back brought it: when the settle looks at it
+        def __init__(self, t: Any) -> None:
+            self.t = t
+
+        def item(self) -> Any:
+            order.append("flag")
+            return self.t.item()
+
+    def flagged_send(pending: list[Any], *flag: Any) -> Any:
+        s = send(pending, *flag)
+        flags.append(s.stale)
+        if s.stale is not None:
+            s.stale = Flag(s.stale)
+        return s
+
+    class Watched:  # the watch, as the settle sees it
         def __init__(self, watch: Any) -> None:
             self.watch = watch
 
@@ -71,16 +90,17 @@ def test_a_settle_judges_each_read_back_before_it_reads_the_flag(
             return getattr(self.watch, name)
 
         def stale(self) -> Any:
-            order.append("flag")
+            order.append("watch")
             return self.watch.stale()
 
     monkeypatch.setattr(readback, "_verdicts", logged_verdicts)
-    real = readback.settle
+    monkeypatch.setattr(driver, "send", flagged_send)
     monkeypatch.setattr(driver, "settle",
-                        lambda res, sent, watch: real(res, sent, Flagged(watch)))
+                        lambda res, sent, watch: real(res, sent, Watched(watch)))
     res = _replay(trace)
     assert res.counts()["ok"] == len(res.rows) > 0
-    assert order[-1] == "flag" and order[-2] == "verdicts"
+    assert flags[-1] is not None  # the last read-back, the settle's, brought the flag
+    assert order[-1] == "flag" and order[-2] == "verdicts" and "watch" not in order
     assert order.count("flag") == 1
 
 
@@ -94,9 +114,9 @@ def test_read_backs_shrink_toward_the_end(tmp_path: Path, monkeypatch: pytest.Mo
     log: list[list[int]] = []
     send = driver.send
 
-    def logged_send(pending: list[Any]) -> Any:
+    def logged_send(pending: list[Any], *flag: Any) -> Any:
         log.append([x.p.b.step for x in pending])
-        return send(pending)
+        return send(pending, *flag)
 
     monkeypatch.setattr(driver, "send", logged_send)
     monkeypatch.setattr(driver, "SEND_TOKENS", 1 << 62)
@@ -177,8 +197,8 @@ def test_results_read_back_from_an_arena_are_judged_as_tensors_are(
     send = driver.send
     homes: list[bool] = []
 
-    def boxed_send(pending: list[Any]) -> Any:
-        s = send(_boxed(pending, mode))
+    def boxed_send(pending: list[Any], *flag: Any) -> Any:
+        s = send(_boxed(pending, mode), *flag)
         homes.append(s.home is not None)
         pending.clear()
         return s

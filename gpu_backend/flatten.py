@@ -110,9 +110,9 @@ def rows(same: bool, r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarra
         # a fill and a loop of its own each: written in one loop (a tuple store), they took 5x
         # as long at a 64 x 2k prompts' step (113 against 21 µs: LLVM vectorizes these)
         row_of_token[q: q + ql] = r
-        tp = true_pos[q: q + ql]
+        at = true_pos[q: q + ql]
         for j in range(ql):
-            tp[j] = cm + j
+            at[j] = cm + j
         if not same:
             tok_q[q: q + ql] = tokens[a: a + ql]
         q += ql
@@ -135,13 +135,7 @@ def rows(same: bool, r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarra
             m = 1
             while m < k and append_pos[a + m] == ap + m:
                 m += 1
-            # the engine's append: indices[indptr[r] + pos // B], no bounds check (reference §3)
-            s = base + slot
-            e = -1  # outside the table and its tail
-            if 0 <= s < len(ind) and ind[s] >= -guard:
-                e = ind[s] + guard
-            elif len(ind) <= s < n_ind:
-                e = guard - 1  # a tail entry
+            e = _engine(ind, base + slot, guard, n_ind)
             # the truth: true position committed + j lands in alloc[pos // B]
             if blk != last:  # once a page, not once a token (0.62x this pass at 128 x 8k)
                 last, page = blk, -1
@@ -166,6 +160,18 @@ def rows(same: bool, r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarra
             j += m
         p0 += alloc_len[r]
     return n_mine, n_rej
+
+
+@nb.njit(cache=True, inline="always")
+def _engine(ind: np.ndarray, s: int, guard: int, n_ind: int) -> int:
+    """The pool page an engine's append through table entry s writes: indices[indptr[r] +
+    pos // B], no bounds check (reference §3); a tail entry's is the left guard's last page;
+    -1 outside the table and its tail."""
+    if 0 <= s < len(ind) and ind[s] >= -guard:
+        return ind[s] + guard
+    if len(ind) <= s < n_ind:
+        return guard - 1
+    return -1
 
 
 @nb.njit(cache=True, inline="always")

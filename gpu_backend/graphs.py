@@ -347,7 +347,7 @@ class StepGraphs:
         """The step's device work over the static buffers, results into e.out: what the driver
         does for an eager step (`driver._apply_events`, the watch, `driver._one_step`)."""
         from gpu_backend import poolk, refattn
-        from gpu_backend.oracle import beside, join
+        from gpu_backend.oracle import beside, join, unwritten
         from gpu_backend.pool import content_kv_q
 
         R, W = key[0], key[1]
@@ -374,7 +374,7 @@ class StepGraphs:
         self.k.fi.append_paged_kv_cache(kv[0], kv[1], v["app_row"], v["append_pos"], m,
                                         v["kv_indices"], v["kv_indptr"], v["last_page_len"],
                                         kv_layout="NHD")
-        out = torch.full_like(q, float("nan"))
+        out = unwritten(q)
         e.wrapper.run(q, m, out=out)
         if self.checks:
             poolk.graph_post(pool.words, v["params"], v["wpages"], wt.sums, wt.pre,

@@ -249,6 +249,20 @@ def attend_group(truth: TruthStore, dv: StepArrays, g: RefGroup, qg: torch.Tenso
     return attend(qg, k, v, group_limit(dv, g), g.lo)
 
 
+def unwritten(q: torch.Tensor) -> torch.Tensor:
+    """The kernels' out= buffer for queries q [nnz_q, Hq, D]: q's shape and dtype, reading as
+    NaN wherever no launch writes. Only the first element of each (token, head) vector is set
+    NaN, the rest is left as allocated: a kernel writes a head's vector whole, and
+    `token_errors` gives a token with a NaN anywhere in its vectors a NaN error, so a token no
+    launch writes judges `nan`, as it did with the whole buffer NaN. Why not all of it: at a
+    64 x 2k prompts' step that fill wrote 1.07 GB on the device before the kernels could start
+    (round 41's profile: 0.74 ms of bf16 fills, the pool's poison with it); this one sets one
+    element in D."""
+    out = torch.empty_like(q)
+    out.select(-1, 0).fill_(float("nan"))
+    return out
+
+
 def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """[2, nnz_q] fp32 on the device: max |out - ref| per token (NaN where either holds a NaN),
     and max ref per token (NaN where the reference does)."""

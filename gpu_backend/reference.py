@@ -25,7 +25,7 @@ import torch
 
 from gpu_backend.driver import KernelFault
 from gpu_backend.layout import StepBatch, launch_runs, stale_plan
-from gpu_backend.oracle import attend
+from gpu_backend.oracle import attend, unwritten
 from gpu_backend.pool import KVPool
 from sim.check.access import CLAMPED, WILD, Accesses, step_access
 from sim.trace.records import RowRecord
@@ -66,13 +66,14 @@ class ReferenceKernels:
 
     def _attention(self, pool: KVPool, b: StepBatch, reads: Accesses, kernel_len: np.ndarray,
                    q: torch.Tensor) -> torch.Tensor:
-        """The step's attention output [nnz_q, Hq, D] in q's dtype, NaN where no query is.
+        """The step's attention output [nnz_q, Hq, D] in q's dtype, reading as NaN where no query
+        is (`oracle.unwritten`).
         In batches as the fp32 reference's (`refgroups`): the gen rows together, each context
         row alone. One batch padded to the step's widest row and longest table made every decode
         row compute a prompt chunk's queries: `make run`'s trace took 364 s to replay, 163-179 s
         now (docs/gpu.md, round 21)."""
         idx, slot = self._physical(pool, reads, "attention")
-        out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # as the GPU's out= buffer
+        out = unwritten(q)  # as the GPU's out= buffer
         gen = np.flatnonzero(~b.is_ctx)
         local = np.empty(b.num_rows, dtype=np.int64)
         for rows in ([gen] if gen.size else []) + [np.array([r]) for r in np.flatnonzero(b.is_ctx)]:

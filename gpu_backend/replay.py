@@ -48,6 +48,7 @@ import torch
 
 from gpu_backend.driver import KernelFault
 from gpu_backend.layout import StepBatch, launch_runs, stale_plan
+from gpu_backend.oracle import unwritten
 from gpu_backend.pool import KVPool
 from sim.trace.records import RowRecord
 
@@ -101,7 +102,7 @@ class FlashInferKernels:
                  dv: Mapping[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:
         self._hold_plan_cache(b.plan_cache_size)
-        out = torch.full_like(q, float("nan"))  # a row no launch writes stays NaN
+        out = unwritten(q)  # a row no launch writes reads as NaN
         if self.timing:
             self.events.append([])
         if self.attn_timing:

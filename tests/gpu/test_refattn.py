@@ -263,6 +263,23 @@ def test_token_error_kernel_is_the_torch_path_with_nan_and_inf(fused: ModuleType
     assert want[1, 10].isnan() and want[1, 30].isinf() and not want[0, 0].isnan()
 
 
+def test_an_unwritten_buffers_tokens_judge_as_a_whole_nan_buffers(fused: ModuleType) -> None:
+    """`oracle.unwritten` on the device (a strided fill of each head vector's first element):
+    the fused errors of its unwritten tokens and heads are those of a buffer all NaN."""
+    from test_unwritten import with_garbage, written
+
+    g = torch.Generator(device=DEV).manual_seed(4)
+    n, H, D = 300, 32, 128
+    q = torch.rand(n, H, D, device=DEV, generator=g).bfloat16()
+    ref = torch.rand(n, H, D, device=DEV, generator=g) * 2 - 1
+    bare = oracle.unwritten(q)
+    assert bare[..., 0].isnan().all() and bare.shape == q.shape and bare.dtype == q.dtype
+    want = fused.token_errors(written(torch.full_like(q, float("nan")), ref), ref)
+    got = fused.token_errors(written(with_garbage(q), ref), ref)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    assert got[0, [4, 5, 6, 9]].isnan().all() and not got[0, [0, 8, 10, 299]].isnan().any()
+
+
 # --- pool: poison rows and page sums, bit for bit -------------------------------------------
 
 @pytest.mark.parametrize(("pages", "heads", "dim", "rows", "resummed", "moved"), [

@@ -143,7 +143,7 @@ def _frozen_heap() -> Iterator[None]:
 
 def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,
             skip: dict[int, str], on_step: Callable[[int, str], None] | None,
-            make_watch: Callable[[KVPool, torch.Tensor], Watch], workers: int) -> ReplayResult:
+            make_watch: Callable[[KVPool, bool], Watch], workers: int) -> ReplayResult:
     m = trace.model
     dt = torch_dtype(m.dtype)
     slots, span, last = truth_shape(trace)
@@ -156,7 +156,7 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     def rig() -> Rig:
         pool = KVPool(m.num_blocks, GUARD_PAGES, m.page_size, m.num_kv_heads, m.head_dim, dt,
                       device)
-        watch = make_watch(pool, pool.fresh_checksum())  # nothing has written it yet
+        watch = make_watch(pool, True)  # nothing has written it yet
         make = getattr(kernels, "step_graphs", None)
         graphs = make(pool, truth, m.num_q_heads, watch) if callable(make) and not skip else None
         state.graphs = graphs.planner if graphs is not None else None  # the steps after it

@@ -5,6 +5,7 @@ at, caught by each of its three checks and replayed with the full watch."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ from gpu_backend.pool import KVPool
 from gpu_backend.reference import ReferenceKernels
 from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.watch import FullWatch, IncrementalWatch, written
 
 
 def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:
@@ -91,3 +93,50 @@ def test_a_fresh_pools_sums_are_its_whole_checksum(dtype: torch.dtype, pages: in
     assert got.tolist() == pool.checksum().tolist() and got.is_contiguous()
     got[0] += 1  # a broadcast view of one page's sum would refuse the write
     assert got[0] != pool.checksum()[0] and pool.fresh_checksum()[0] == pool.checksum()[0]
+
+
+@pytest.mark.parametrize("watch", ["incremental", "full"])
+def test_a_fresh_pools_first_look_before_its_kernels_reads_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watch: str) -> None:
+    """On a pool nothing has written, a first step whose events apply no op (its new pages need
+    no poison) leaves every sum as made: the watch looks at its pages without a read
+    (`watch.written`), and at every later step's as before; the rows are the same."""
+    trace = load_trace(SCENARIOS["clean_mtp"](tmp_path / "t"))  # later steps rewind drafts
+    want = _replay(trace, watch)
+    looked: list[int] = []
+    for name in ("resum_pre", "resum"):
+        real = getattr(KVPool, name)
+
+        def spy(self: KVPool, *a: Any, _real: Any = real) -> Any:
+            looked.append(len(looked))
+            return _real(self, *a)
+
+        monkeypatch.setattr(KVPool, name, spy)
+    steps: list[tuple[bool, bool]] = []  # (pages to look at, a read)
+    real_after = (IncrementalWatch if watch == "incremental" else FullWatch).after_events
+
+    def after(self: Any, p: Any) -> None:
+        n = len(looked)
+        real_after(self, p)
+        pages = bool(p.touched) or (watch == "incremental" and len(p.wpages) > 0)
+        steps.append((pages, len(looked) > n))
+
+    monkeypatch.setattr(IncrementalWatch if watch == "incremental" else FullWatch,
+                        "after_events", after)
+    got = _replay(trace, watch)
+    assert _rows(got) == _rows(want) and got.watch == want.watch == watch
+    assert steps[0] == (True, False) and len(steps) > 2
+    assert all(read == pages for pages, read in steps[1:]) and any(r for _, r in steps[1:])
+
+
+def test_a_pool_is_fresh_for_one_step_and_only_without_ops() -> None:
+    """`written`: only the first step's events, and only with no op, leave the made pool's
+    sums standing; any later step's kernels have run first."""
+    pool = KVPool(4, 1, 2, 1, 4, torch.bfloat16, "cpu")
+    no_ops, copy = SimpleNamespace(ops=[]), SimpleNamespace(ops=[("copy", 2, 3, 1)])
+    for kind in (IncrementalWatch, FullWatch):
+        w = kind(pool, fresh=True)
+        assert not written(w, no_ops) and written(w, no_ops)
+        w = kind(pool, fresh=True)
+        assert written(w, copy) and written(w, no_ops)
+        assert written(kind(pool), no_ops)  # sums from a look: no freshness claimed

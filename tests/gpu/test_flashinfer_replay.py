@@ -28,6 +28,25 @@ def test_flashinfer_verdicts(tmp_path: Path, name: str) -> None:
     assert _bad(run_replay(trace, "reference", DEFAULT_TOL)) == _bad(gpu)
 
 
+@pytest.mark.parametrize(("name", "made"), [("clean_mtp", set()), ("clean_decode", {"decode"}),
+                                           ("clean_mtp_xqa", {"xqa_ws"})])
+def test_the_decode_wrapper_and_xqa_workspace_are_made_on_first_use(tmp_path: Path, name: str,
+                                                                    made: set[str]) -> None:
+    """A replay of prompts and verify rows makes neither (each replay made both before its
+    first launch); the traces that use one get it, with the verdicts of the CPU reference."""
+    from gpu_backend.driver import replay
+    from gpu_backend.replay import FlashInferKernels
+    from gpu_backend.tracedata import load_trace
+
+    trace = load_trace(SCENARIOS[name](tmp_path / name))
+    k = FlashInferKernels(trace.model.num_q_heads, "cuda")
+    res = replay(trace, k, "cuda")
+    assert {"decode", "xqa_ws"} & set(vars(k)) == made
+    assert _bad(res) == EXPECTED[name]
+    if made == {"xqa_ws"}:
+        assert k.xqa_ws.shape == k.ws[0].shape
+
+
 def test_clean_rows_stay_well_inside_tolerance(tmp_path: Path) -> None:
     gpu = run_replay(SCENARIOS["clean_mtp"](tmp_path / "t"), "flashinfer", DEFAULT_TOL)
     assert max(r.err for r in gpu.rows) < DEFAULT_TOL / 2

@@ -38,6 +38,9 @@ BESIDE = True
 # a step's context rows in one reference launch where the fused kernel runs, not one a row
 # (`refgroups.ref_groups(together=)`, `refattn.attend_rows`); False: one a row
 TOGETHER = True
+# the kernels' out= buffer NaN whole, as before round 45, not one element a head vector
+# (`unwritten`): for pairs (`bench/gpu_pair.py --set oracle.WHOLE_NAN=True`)
+WHOLE_NAN = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -258,6 +261,8 @@ def unwritten(q: torch.Tensor) -> torch.Tensor:
     64 x 2k prompts' step that fill wrote 1.07 GB on the device before the kernels could start
     (round 41's profile: 0.74 ms of bf16 fills, the pool's poison with it); this one sets one
     element in D."""
+    if WHOLE_NAN:
+        return torch.full_like(q, float("nan"))
     out = torch.empty_like(q)
     out.select(-1, 0).fill_(float("nan"))
     return out

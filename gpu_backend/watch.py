@@ -31,6 +31,9 @@ from gpu_backend.pool import KVPool
 from gpu_backend.prepare import Prepared
 
 EVERY = 16  # steps between IncrementalWatch's whole-pool checks
+# a fresh pool's first look known without a read (`written`); False: read, as before round 45,
+# for pairs (`bench/gpu_pair.py --set watch.KNOWN_FRESH=False`)
+KNOWN_FRESH = True
 
 
 class Unseen(Exception):
@@ -152,5 +155,5 @@ def written(w: Watch, p: Prepared) -> bool:
     read ~1 GB at a 64 x 2k prompts' step (0.27 ms of device, round 41's profile). Nothing but
     the pool's own fill ran on it before, so nothing there is left unseen; the step's kernels
     run after this and are checked as every step's are."""
-    fresh, w.fresh = w.fresh, False
+    fresh, w.fresh = w.fresh and KNOWN_FRESH, False
     return not fresh or bool(p.ops)

@@ -154,6 +154,7 @@ def written(w: Watch, p: Prepared) -> bool:
     Its touched pages and targets then still sum to the made pool's sums, and a look at them
     read ~1 GB at a 64 x 2k prompts' step (0.27 ms of device, round 41's profile). Nothing but
     the pool's own fill ran on it before, so nothing there is left unseen; the step's kernels
-    run after this and are checked as every step's are."""
+    run after this and are checked as every step's are. Asking ends the freshness: a watch asks
+    once a step, after its events, and the kernels write next."""
     fresh, w.fresh = w.fresh and KNOWN_FRESH, False
     return not fresh or bool(p.ops)

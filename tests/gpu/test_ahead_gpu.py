@@ -37,9 +37,9 @@ def test_steps_prepared_ahead_give_the_rows_of_a_loop_that_waits(
     trace = _trace(tmp_path, name)
     send = driver.send
 
-    def slow_send(pending: list[Any]) -> Any:  # the device busy ~5 ms before each read-back
-        torch.cuda._sleep(10**7)
-        return send(pending)
+    def slow_send(pending: list[Any], *rest: Any) -> Any:  # the device busy ~5 ms before each
+        torch.cuda._sleep(10**7)  # read-back; `rest` is whatever else driver passes send
+        return send(pending, *rest)
 
     monkeypatch.setattr(driver, "send", slow_send)
     monkeypatch.setattr(driver, "FLUSH", 1)  # the host waits after every step

@@ -58,9 +58,9 @@ def environment() -> dict:
 def host_speed() -> float:
     """ms this host takes for a fixed pure-Python and numpy workload (~4.5 ms on the H200's
     host in its usual state, ~7.5-8 in a slow spell). The lent hosts' virtual CPUs sometimes
-    run everything ~1.8x slower for seconds, with nothing else of the process on the CPU
-    (bench/results/round30/); a bench times this just before each replay it times, so a slow
-    run can be told from a slow change."""
+    run everything ~1.8x slower for seconds, with nothing else of the process on the CPU;
+    a bench times this just before each replay it times, so a slow run can be told from a slow
+    change."""
     import numpy as np
 
     t0 = time.perf_counter()

@@ -4,7 +4,7 @@ python bench/gpu_pair.py --set driver.BANK=0 [--sweep 64x2048:96,64x2048:12] [--
     [--reps 8] [--json OUT] [--backend flashinfer|reference] [--work DIR] [--commit C]
 
 The lent GPU machines' hosts differ a lot in speed: the same code's whole replay at 64 x 2k,
-96 steps, took 85-191 ms on different calls of one day (docs/gpu.md, round 20). A change is
+96 steps, took 85-191 ms on different calls of one day. A change is
 judged on pairs instead: A (the code as it is) and B (the same code with `--set` and
 `--b-workers`) alternate in one process (A B, B A, A B, ...), each on the benchmark trace of
 `bench/gpu_replay.py --sweep` (`tests/unit/replay_traces.py` big_verify, batch x kv_len, MTP)

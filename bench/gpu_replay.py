@@ -10,31 +10,29 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   generation step to one after the last, divided by the step count; no events, no spins. The
   first step (the prompts' prefill) is excluded, and so is the host preparation (`prepare`):
   these passes prepare every step before the first (the preparation drained before the
-  replay starts; until 2026-12-02 in chunks of `prepare.CHUNK_WORDS`, whose later ones went
-  inside the timed steps of long traces: `prepare_in_wall_ms_per_step`, now 0, and
-  `ratio_excl_prepare`), so `ratio` is the replay loop's own, comparable across rounds.
+  replay starts: `prepare_in_wall_ms_per_step` is 0 and `ratio_excl_prepare` equals `ratio`),
+  so `ratio` is the replay loop's own, comparable across changes.
 - pipelined (one more pass, the replay's default): the steps are prepared in chunks one ahead
   (`prepare.ramp`: the first ones small), the later chunks a step at a time between the timed
   steps (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
   generation steps' preparation done before it) / kernels: what a user's replay of the
   generation steps costs, preparation included.
 - workers (one more pass, `--workers N`, by default 4 where the host has 6 cores or more,
-  whatever the trace; `kvsim replay` takes none unless asked, round 30): pipelined
+  whatever the trace; `kvsim replay` takes none unless asked): pipelined
   with the preparation in N forked processes
   (`gpu_backend.workers`); `workers.ratio_end_to_end` = (its wall + the loop's wait for its
   first chunks, less the workers' start and the prompt step's preparation) / kernels;
   `workers.start_ms` is the start (forks, numba's load) left out of it. Every other pass
-  prepares on the loop's thread (`workers=0`), as before 2026-12-01's round 13.
+  prepares on the loop's thread (`workers=0`).
 - whole (`whole`): what a user's replay costs, `replay` on its default path from the call to its
   return: every step (the prompts' too) with everything inside it (the workers' start, the
   preparation, the pool's set-up) against every step's kernels, the median of 3 (`ratio`);
   `first_gen_ms`: from the call to the first generation step. `whole_other`: the same with the
-  other preparation (--workers N's; the default, the loop's own, until round 30 took 4
-  workers for traces of 256+ steps at 64 x 2k).
+  other preparation (--workers N's, where the default is the loop's own).
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
-  event fires once the host has queued the launch: the kernels' device time, no host gaps. (Until
-  2026-12-01 the events bracketed the step's launches with FlashInfer's plan() between them, so
-  the host's planning time counted as kernel time: 0.51-0.61 ms there vs 0.15 ms of kernels.)
+  event fires once the host has queued the launch: the kernels' device time, no host gaps (one
+  pair of events around a whole step would count FlashInfer's plan() between its launches as
+  kernel time).
 - host_wait_ms_per_step: of the wall, the time the host waited for the device (the plan
   fences, `FlashInferKernels.wait_s`): near 0 means the host is the bottleneck, near the wall
   minus the host's own queueing time means the device is.

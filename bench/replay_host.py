@@ -2,8 +2,8 @@
 
 python bench/replay_host.py [--sweep 64x2048,64x8192,128x8192] [--steps 96] [--json OUT]
 
-At batch 64 x kv 2k the H200 runs a replay step in ~0.32 ms (2.1x the kernels' own time,
-docs/gpu.md round 14), so the replay's end-to-end ratio is set by what the host does around
+At batch 64 x kv 2k the H200 runs a replay step in ~0.32 ms (2.1x the kernels' own time),
+so the replay's end-to-end ratio is set by what the host does around
 it. This bench times that host work without a device, on the same benchmark trace as
 `bench/gpu_replay.py --sweep` (`tests/unit/replay_traces.py` big_verify, MTP W=4), by stage of
 the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per generation step
@@ -31,8 +31,7 @@ the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per ge
   each step's `Prepared` made), per step. The chunk's upload is the device's part and is left
   out (`Chunk.load` keeps the host words only): on the H200 it is an async copy and a launch
   or two a chunk. Here the words go into fresh (not pinned) memory; on a GPU host they are not
-  copied at all since 2026-12-01's round 17 (the chunk uploads from its slot, which CUDA has
-  page-locked);
+  copied at all (the chunk uploads from its slot, which CUDA has page-locked);
 - unpickle: of receive, the metadata's unpickling alone (the same bytes again, just after);
 - bytes: words and metadata a step crosses from a worker to the loop.
 
@@ -43,7 +42,7 @@ and `kept_over_default` the ratios; `--no-heap-default` skips it).
 Each figure is the median over --reps passes (after one warm-up pass) of the pass's mean per
 step. Worker and loop run in this one process here (the slot and pipe are the real ones), so
 nothing waits on another process: these are the stages' own costs. The H200's host ran this
-Python 1.5-4.5x slower than a development machine (docs/gpu.md round 14): compare figures
+Python 1.5-4.5x slower than a development machine: compare figures
 within one run (`--before`: the same bench's JSON for the code before a change, run just
 before on the same machine).
 """

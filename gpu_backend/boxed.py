@@ -2,8 +2,8 @@
 `graphs.ARENA`), as the read-back finds them (`readback`).
 
 Why: a tensor of its own for each step's results, and views of it, cost the loop ~20 µs of the
-H200's host a step (round 29); a copy by address into an arena none of that (`graphs.run`
-12.4-19.6 against 21.6-29.4 ms over a 256-step 64 x 2k replay, round 36)."""
+H200's host a step; a copy by address into an arena none of that (`graphs.run`
+12.4-19.6 against 21.6-29.4 ms over a 256-step 64 x 2k replay)."""
 
 from __future__ import annotations
 

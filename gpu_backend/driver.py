@@ -63,25 +63,24 @@ EARLY = 16  # steps per read-back of the verdict data: queued behind them, no wa
 # only every FLUSH steps, a 96-step replay at batch 64 x kv 2k spent ~10 ms of host on its
 # verdicts after the device had finished: a fifth of its wall on the H200). 16 against 8: 0.896x
 # the wall at 64 x 2k on a slow host, where the loop's host is the bound (4 of 4 pairs), 1.005x
-# at 128 x 2k, device-bound (round 29): half the read-backs' concatenations, copies and passes
+# at 128 x 2k, device-bound: half the read-backs' concatenations, copies and passes
 LEAD = 2  # read-backs queued and not yet judged, at most: the host then waits for the oldest.
 # Unbounded, the host ran tens of steps ahead of a device-bound replay and judged their
-# verdicts after the device had finished (the loop alone at 64 x 2k 2.42-2.64x with round 16's
-# code against 2.33-2.49 before, when a planner fence held it back); bounded, 2.32-2.39 against
-# 2.46-2.57 (round 17, alternated on the H200), and the chunks a preparation worker shipped are
+# verdicts after the device had finished (the loop alone at 64 x 2k 2.46-2.57x, against
+# 2.32-2.39 bounded, alternated on the H200), and the chunks a preparation worker shipped are
 # judged, and their slots given back, in time
 FLUSH = 256  # steps between waits for every read-back (one host-device sync each)
 SEND_TOKENS = 1 << 16  # query tokens after which the pending steps are read back at once (a
 # long prompt step alone), to be judged as soon as they arrive while the device runs the steps
-# the loop queued behind them. Until round 31 the host waited for such a step and judged it
-# there (for the generation-step timing of rounds 5-18, which then left it out): the device sat
-# idle meanwhile, ~1 ms of a 64 x 2k replay's prompts' step (131k tokens' verdicts)
+# the loop queued behind them. A host that waited for such a step and judged it there would
+# leave the device idle meanwhile, ~1 ms of a 64 x 2k replay's prompts' step (131k tokens'
+# verdicts)
 BANK = 128  # steps the loop's own preparation may get ahead while the host would wait for the
 # device (`Ahead`; and `ahead.BANK_WORDS` words): a long step's device time (the prompts' step,
 # ~29 ms at batch 64 x kv 2k on the H200) then goes to preparing the steps after it instead of
 # to a sync
 # the replay's freed memory is not handed back to the system at its end (`sim.heap.kept`): the
-# trim took 0.9-1.6 ms of the wall on the H200's host, after the device had finished (round 32);
+# trim took 0.9-1.6 ms of the wall on the H200's host, after the device had finished;
 # the process keeps the memory for its next use
 TRIM = False
 
@@ -111,7 +110,7 @@ def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: 
     pages, the whole pool every few steps; replayed again with "full" if a page changed
     elsewhere) or "full" (the whole pool every step). The verdicts are the same.
     workers: processes that prepare the steps beside the loop (`gpu_backend.workers`; 0 or
-    None: the loop's own thread does, the faster way at every length measured: round 30)."""
+    None: the loop's own thread does, the faster way at every length measured)."""
     n = workers or 0
     # with glibc's defaults much of the preparation's arrays is new memory every step, a page
     # fault each 4 KiB: a 64 x 2k prompts' step is prepared in 0.8x the time here (`sim.heap`).

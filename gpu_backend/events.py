@@ -225,7 +225,7 @@ def fresh_pool(ops: list[PoolOp], arrays: dict[str, np.ndarray]) -> list[PoolOp]
     """The replay's first step without the poison that comes before any copy: the pool starts
     all NaN (`KVPool`) and nothing has written it yet, so that poison writes NaN over NaN. A
     64 x 2k prompts' step staged 263k rows of it (its new pages), and the device rewrote 0.5 GB
-    (2.9 ms at 64 x 8k, round 22's timeline). The pages stay `touched`: re-summed as before."""
+    (2.9 ms at 64 x 8k). The pages stay `touched`: re-summed as before."""
     while ops and ops[0][0] == "nan":
         arrays.pop(f"ev{ops[0][1]}")
         ops = ops[1:]

@@ -2,7 +2,7 @@
 
 Why: a graph step (`gpu_backend.graphs`) re-plans FA2 every step, and calling FlashInfer's C++
 planner from the replay loop cost ~90 µs of the loop's host a step at batch 64 x kv 2k on the
-H200 (docs/gpu.md round 16: its arguments' views 32, the planner 29-31, the fence on its pinned
+H200 (its arguments' views 32, the planner 29-31, the fence on its pinned
 buffer 11-14, the plan-info comparison 6, the record 5), a fifth of the loop. The plan is a pure
 function of the step's page counts and constants the replay knows before it starts, so the
 preparation (a worker process, or the loop's pipeline) computes the bytes the planner would

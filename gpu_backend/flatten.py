@@ -2,7 +2,7 @@
 
 Why: the numpy flattening is ~40 small array operations a step (~0.15 ms of host at batch 64
 x kv 2k on a development machine, twice that on the H200's host), and the replay's host is its
-bottleneck end to end (docs/gpu.md, round 12). One loop over the rows writes every array at
+bottleneck end to end (docs/gpu.md). One loop over the rows writes every array at
 once. `layout.build_step` with `compiled=False` is the numpy oracle this is tested against
 (tests/unit/test_flatten.py).
 """
@@ -216,7 +216,7 @@ def run(*args: Any) -> tuple[np.ndarray, ...]:
         return split(parts, *args) if parts > 1 else flatten(*args)
     # every row's appends are its queries (a prompts' step): the queries' tokens, app_row and
     # app_rope are tokens, row_of_token and rope_pos, not copies written token by token (a
-    # third of a 64 x 2k prompts' step's pass, round 44); `layout.bad_lengths` holds both to a
+    # third of a 64 x 2k prompts' step's pass); `layout.bad_lengths` holds both to a
     # value a query
     f = split(parts, *args, same=True) if parts > 1 else _flat(True, *args)
     return (*f[:4], tokens, f[2], rope_pos, *f[7:])
@@ -230,7 +230,7 @@ def split(parts: int, q_len: np.ndarray, a_len: np.ndarray, append_pos: np.ndarr
     """`flatten` with its rows in `parts` runs of about as many appends, one a thread
     (`hostpool`; `rows` releases the GIL), the kv indices on one more: the same arrays. For a
     long step, the prompts' step, whose preparation the device waits for: 128 x 2k's 262k
-    appends took 1.64 against 2.26 ms on 8 threads of the H200's host (round 29).
+    appends took 1.64 against 2.26 ms on 8 threads of the H200's host.
     same: as `_flat`'s."""
     R = len(q_len)
     qo = np.zeros(R + 1, np.int32)

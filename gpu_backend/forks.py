@@ -3,7 +3,7 @@
 Why: a fork holds the forking thread for about the time it takes to copy the page tables of
 what the process has mapped, which is a lot once torch, CUDA and the trace are loaded. Forked
 one by one from the replay's loop, four workers held the loop 76-102 ms before it could
-prepare the prompts' step (docs/gpu.md, round 19). Here the loop forks once; that child forks
+prepare the prompts' step. Here the loop forks once; that child forks
 the workers beside the loop, and they inherit the same memory.
 
 Ending them: SIGTERM to the forking child (`stop`, or multiprocessing's own at exit) makes it

@@ -2,7 +2,7 @@
 attention, reference, token errors.
 
 Why: at batch 64 x kv 2k the step's kernels take ~0.15 ms of device time, and the host took
-0.6-1.4 ms to queue them eagerly (docs/gpu.md rounds 3-9: ~13 launches, FlashInfer's Python
+0.6-1.4 ms to queue them eagerly (~13 launches, FlashInfer's Python
 plan() and run(), and the Python between them): the replay was host-bound at 4-8x the kernels'
 time. Here such a step costs the host a copy in, one graph launch and a copy out of its results.
 
@@ -68,7 +68,7 @@ _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("plan", "gr_plan", "w"), ("kv_indices", "kv_indices", "w"))
 # a graph step's results copied into the loop's arena (`Boxed`: one copy a step, no tensor
 # made for them; a read-back copies the arena's span home at once), else into a tensor of their
-# own, viewed as token errors and moved flags (the results' form until round 36)
+# own, viewed as token errors and moved flags (for pairs)
 ARENA = True
 ARENA_STEPS = 24  # steps' results an arena holds (a read-back takes `driver.EARLY`)
 
@@ -231,10 +231,10 @@ class StepGraphs:
         assert e.out is not None
         # the step's own copy: the next replay rewrites e.out. Measured no better on the H200:
         # a pinned host copy a step, which the read-back need not gather (52-58 µs a step with
-        # the views against 28-40, round 14); the graph copying its results into a ring slot
-        # itself (three more kernels a step: 0.01-0.02 ms slower a step, round 15). One copy
+        # the views against 28-40); the graph copying its results into a ring slot
+        # itself (three more kernels a step: 0.01-0.02 ms slower a step). One copy
         # of both results, viewed apart: a copy and an allocation cost the loop 13-35 µs a
-        # step on the H200's host (round 29)
+        # step on the H200's host
         n = p.b.num_tokens  # the layout of `_out`
         w = len(p.wpages) if self.checks else 0
         if ARENA and self.checks:

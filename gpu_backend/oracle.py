@@ -26,19 +26,20 @@ OK, MISMATCH, NAN, CORRUPT, FAULT = 0, 1, 2, 3, 4
 VERDICTS = ("ok", "mismatch", "nan", "corrupt", "fault")
 
 # bf16 output rounding alone is 2^-9 relative (|out| <= 1 here: a convex mix of V in [-1, 1]),
-# and bf16 P·V accumulation adds ~1e-3 (measured noise: docs/gpu.md). A wrong RoPE position or
-# a foreign page moves the output by > 5e-2. 2e-2 leaves ~4x margin both ways.
+# and bf16 P·V accumulation adds ~1e-3 (measured noise: docs/gpu.md, Verdicts and tolerance).
+# A wrong RoPE position or a foreign page moves the output by > 5e-2. 2e-2 leaves ~4x margin
+# both ways.
 DEFAULT_TOL = 2e-2
 FUSED = True  # the reference through gpu_backend.refattn (one Triton launch) where it runs
 # the reference on a stream of its own beside the kernels (`TruthStore.side`, `beside`): the
 # GPU then runs it while the append and attention run. On the H200 a generation step's graph
-# took 0.96-0.98x the time (round 27); a prompts' step did not move (its reference and prefill
+# takes 0.96-0.98x the time; a prompts' step does not move (its reference and prefill
 # each fill the device). False: in order on the replay's stream
 BESIDE = True
 # a step's context rows in one reference launch where the fused kernel runs, not one a row
 # (`refgroups.ref_groups(together=)`, `refattn.attend_rows`); False: one a row
 TOGETHER = True
-# the kernels' out= buffer NaN whole, as before round 45, not one element a head vector
+# the kernels' out= buffer NaN whole, not one element a head vector
 # (`unwritten`): for pairs (`bench/gpu_pair.py --set oracle.WHOLE_NAN=True`)
 WHOLE_NAN = False
 
@@ -259,7 +260,7 @@ def unwritten(q: torch.Tensor) -> torch.Tensor:
     `token_errors` gives a token with a NaN anywhere in its vectors a NaN error, so a token no
     launch writes judges `nan`, as it did with the whole buffer NaN. Why not all of it: at a
     64 x 2k prompts' step that fill wrote 1.07 GB on the device before the kernels could start
-    (round 41's profile: 0.74 ms of bf16 fills, the pool's poison with it); this one sets one
+    (0.74 ms of bf16 fills, the pool's poison with it); this one sets one
     element in D."""
     if WHOLE_NAN:
         return torch.full_like(q, float("nan"))

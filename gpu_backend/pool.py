@@ -246,8 +246,8 @@ class KVPool:
 
     def fresh_checksum(self) -> torch.Tensor:
         """`checksum()` of a pool nothing has written since it was made: every page holds the
-        same NaN, so one page's sum, repeated. The watch's first look (`driver.Rig`) read the
-        whole pool for it (0.13 ms of device at 64 x 2k on the H200, round 41's profile)."""
+        same NaN, so one page's sum, repeated. Reading the whole pool for the watch's first look
+        (`driver.Rig`) costs 0.13 ms of device at 64 x 2k on the H200."""
         return self.words[:1].sum(dim=1).expand(self.total).contiguous()
 
     def slot_rows(self, pages: np.ndarray, slots: np.ndarray) -> np.ndarray:

@@ -3,11 +3,11 @@ touched between steps, and the incremental watch's checks (`watch.IncrementalWat
 
 Why: between steps the replay re-sums the pages the last step's rewind and this step's block
 events touched: index_select + sum + index_copy_ in torch, 30 µs of host on the H200's host,
-13 µs as one launch here (.whl/probe6.py, round 3). Same bits: page sums of the raw 64-bit
+13 µs as one launch here. Same bits: page sums of the raw 64-bit
 words modulo 2^64 (integer addition wraps, so any order gives torch's sum).
 
-Measured and not kept (same probe): a Triton NaN fill for the poison (11.5 µs of host per call
-against index_fill_'s 7.3; index_fill_ never synchronizes, its "150 µs" in the round-2 profile
+Measured and not kept: a Triton NaN fill for the poison (11.5 µs of host per call
+against index_fill_'s 7.3; index_fill_ never synchronizes, its "150 µs" in a profile
 was the profiler's one-time CUPTI buffer request, ~2 ms, counted inside the first call), and the
 full checksum with the change flags in one launch (24.9 µs against sum + ne's 19.0).
 """

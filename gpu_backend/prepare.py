@@ -39,8 +39,8 @@ CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host mem
 # ... or steps, whichever comes first. The next chunk is prepared a step at a time between the
 # steps of the one before (`prepared_steps`) instead of stalling the device for its whole
 # preparation. While preparing a step takes the host longer than the device's step (every size
-# measured so far) that only hides the device's share: a wash end to end on the H200 (docs/gpu.md
-# round 11); it pays once preparation is faster than the device
+# measured so far) that only hides the device's share: a wash end to end on the H200;
+# it pays once preparation is faster than the device
 CHUNK_STEPS = 8
 # a steady MTP step's layout and graph block in one compiled call (`steadystep`, `blockpack`);
 # False: `build_step`, `_first`, `_advance` and `_rest`, numpy and one `Chunk.add` an array
@@ -257,7 +257,7 @@ def complete(p: Prepared) -> None:
     """Stage the rest of a step that `prepare_step` deferred: the kernels' arrays, the pages
     the watch checks. The loop calls it once the step's content and reference are queued: the
     prompts' step's device work starts after 0.60-0.73x of its preparation and upload on a
-    development machine (bench/results/round25/first_launch_host.txt)."""
+    development machine."""
     if p.deferred is not None:
         rest, p.deferred = p.deferred, None
         rest(p)

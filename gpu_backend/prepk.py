@@ -1,7 +1,7 @@
 """A generation step's small preparation passes, each one compiled (numba) call.
 
 Why: a steady generation step at batch 64 x kv 2k took ~0.55 ms of host to prepare on a
-development machine and 0.5-0.9 ms on the H200's hosts (docs/gpu.md rounds 23-25), longer than
+development machine and 0.5-0.9 ms on the H200's hosts, longer than
 the device's ~0.35 ms step, spread over ~150 small numpy calls of a few µs each (each cheap
 alone, dear in a loop whose arrays are cold in the cache). These passes replace the largest
 groups of them, one call each. The numpy code each replaces stays beside its caller as the
@@ -100,7 +100,7 @@ def distinct(a: np.ndarray) -> np.ndarray:
 def runs(x: np.ndarray) -> np.ndarray:
     """`intsets.runs` in one branchless pass: each run of equal values down to its first (a
     prompts' step's 131k write targets to ~8k in 53 µs, against 114 for numpy's compare and
-    compress on a development machine, round 44)."""
+    compress on a development machine)."""
     out = np.empty(len(x), x.dtype)
     if not len(x):
         return out
@@ -264,7 +264,7 @@ def row_positions(tokens: np.ndarray, rope_pos: np.ndarray, q_len: np.ndarray,
         if t + ql > len(tokens) or c < 0 or c + ql > M:
             return -1
         # reductions LLVM vectorizes (xor-or, min, max over the row's slices): 24 against 129
-        # µs at a 64 x 2k prompts' step with the comparisons or-ed as booleans (round 44)
+        # µs at a 64 x 2k prompts' step with the comparisons or-ed as booleans
         x, k = rope_pos[t: t + ql], tokens[t: t + ql]
         bad, lo, hi = 0, 0, 0
         for j in range(ql):

@@ -1,7 +1,7 @@
 """Device-to-device copies by address, through the CUDA driver (`cuMemcpyDtoDAsync`).
 
 Why: a graph step (`gpu_backend.graphs`) copies its block in and its results out, and through
-torch those cost the loop ~100 µs of host a step on the H200 (docs/gpu.md round 16: the block's
+torch those cost the loop ~100 µs of host a step on the H200 (the block's
 view 17-19 and copy_ 32-33, the results' clone 22-31 and its four views 27-28). Here a copy is
 one call into the driver: a step's three took 22-24 µs. The addresses are the tensors' own,
 queued on the replay's stream where torch's copy would have been, so the caching allocator's

@@ -1,6 +1,6 @@
 """The fp32 reference attention, the per-token errors and the K/V/Q content as Triton kernels
 (GPU only; `oracle.attend`, `oracle.token_errors` and `pool.content_kv_q` elsewhere). The
-content launch also writes the truth K/V and lays Q out as the kernels take it (round 3: no
+content launch also writes the truth K/V and lays Q out as the kernels take it (no
 index_put, no permute copy). Launches go through `tlaunch.Launcher` (less host time per call).
 
 Why: in torch the reference took ~20 calls and 0.65 ms of device time per benchmark step (QKᵀ
@@ -12,13 +12,13 @@ device reads each K/V byte once and the host queues one launch.
 Precision is `oracle.attend`'s: Q·Kᵀ on the tensor cores from the bf16/fp16 values with fp32
 accumulation (every product exact in fp32), softmax in fp32, and P split into hi + lo halves of
 V's dtype for two P·V products (P keeps ~16 bits). The online rescaling adds fp32 rounding
-only (checked against fp64 on the H200: docs/gpu.md).
+only (checked against fp64 on the H200: docs/gpu.md, Verdicts and tolerance).
 
 Masking: query j of row r sees keys 0..limit[r, j], limit non-decreasing in j (causal rows);
 keys past the last limit of a program's tile of queries are not visited at all (exp(-inf) is
 exactly 0, so skipping them changes nothing). A launch of more than ONE_TILE queries a row and kv
 head (prompts, chunks) masks only the blocks of keys some query of the tile does not see, and
-takes its exponentials as exp2 with log2(e) folded into the scale (`LEAN`, round 39: 0.91x the
+takes its exponentials as exp2 with log2(e) folded into the scale (`LEAN`: 0.91x the
 time of a 64 x 2k prompts' step, within 2e-7 of its error from fp64).
 """
 
@@ -120,8 +120,8 @@ def _attend_kernel(Q, KV, SLOTS, LIMIT, OUT, sq_r, sq_w, sq_h, skv_kv, skv_s, sk
     if LEAN:
         # the blocks of keys every query of the tile sees go unmasked (a causal prompt's tile
         # masks its last one or two), and the logits are in log2 units, scale * log2(e) in one
-        # multiply (tl.exp takes them there anyway): 0.91x the time of a 64 x 2k prompts' step
-        # (round 39). Splitting the loop cost a generation step's launch 1.22x (its ~33 blocks
+        # multiply (tl.exp takes them there anyway): 0.91x the time of a 64 x 2k prompts' step.
+        # Splitting the loop costs a generation step's launch 1.22x (its ~33 blocks
         # in two pipelined loops), so it takes the other way
         c = scale * 1.4426950408889634
         full = tl.minimum(tl.min(tl.where(valid, lim, L), 0) + 1, hi) // BLOCK_N * BLOCK_N
@@ -202,13 +202,12 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
 # (BLOCK_N, warps, stages) of the reference's launches: a generation step's (one tile of
 # queries a row and kv head, ONE_TILE) and the others (prompts, chunks). The stages only
 # pipeline the loads: the same bits. A step's: 2 stages took 0.88x 3's time at kv 2k-8k
-# (36 configs, docs/gpu.md round 5); 32-key blocks on 3 stages 0.89-0.94x in a probe (round
-# 24) but not in a whole replay. The others: 3 stages 0.96x 2's at a 64 x 2k prompts' step
-# (round 28: 9.00 against 9.37 ms)
+# (36 configs); 32-key blocks on 3 stages 0.89-0.94x in a probe but not in a whole replay.
+# The others: 3 stages 0.96x 2's at a 64 x 2k prompts' step (9.00 against 9.37 ms)
 STEP_LAUNCH = (64, 4, 2)
 ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
-# the others' launches lean (`_attend_kernel`): False gives round 38's kernel, for pairs
+# the others' launches lean (`_attend_kernel`): False: every block masked, for pairs
 # (`bench/gpu_pair.py --set refattn.LEAN=False`)
 LEAN = True
 
@@ -341,5 +340,5 @@ _token_err = Launcher(_token_err_kernel, num_warps=4)
 _content = Launcher(_content_kernel, num_warps=4)
 # a long step's (CONTENT_TOKENS a program) on 8 warps: a 64 x 2k prompts' step's content took
 # 1.68 against 2.00 ms on 4 (128 x 2k 3.34 against 4.01, the same bits; 16 tokens a program or
-# 2 warps were slower: round 29, bench/results/round29/c4_content.txt)
+# 2 warps were slower)
 _content_long = Launcher(_content_kernel, num_warps=8)

@@ -70,8 +70,7 @@ class ReferenceKernels:
         is (`oracle.unwritten`).
         In batches as the fp32 reference's (`refgroups`): the gen rows together, each context
         row alone. One batch padded to the step's widest row and longest table made every decode
-        row compute a prompt chunk's queries: `make run`'s trace took 364 s to replay, 163-179 s
-        now (docs/gpu.md, round 21)."""
+        row compute a prompt chunk's queries: `make run`'s trace took twice as long to replay."""
         idx, slot = self._physical(pool, reads, "attention")
         out = unwritten(q)  # as the GPU's out= buffer
         gen = np.flatnonzero(~b.is_ctx)

@@ -47,7 +47,7 @@ class RefGroup:
 
 # context rows of at most this many keys go together (`ref_groups(together=)`): on the H200 a
 # 64 x 2k prompts' step's reference in one launch moved the first generation step 0.7 ms sooner,
-# but at 64 x 8k and 128 x 8k 4 and 13 ms later (round 27): a row's K/V (33 MB at 8k) then no
+# but at 64 x 8k and 128 x 8k 4 and 13 ms later: a row's K/V (33 MB at 8k) then no
 # longer shares the 50 MB L2 with the next row's, as a launch a row keeps it alone. 4k untried
 TOGETHER_KEYS = 4096
 
@@ -107,7 +107,7 @@ def _single_row_group(b: StepBatch, r: int, slots: np.ndarray, arrays: dict[str,
     qo[r] .. qo[r] + W - 1 in order, query j sees keys up to committed + j: the tokens' true
     positions (`RefGroup.true_limit`). A prompts' step has one per row: the general arithmetic
     took ~55 µs a row on a development machine, and its staged limits were a word a query (4 MB
-    at 64 x 8k, ~1 ms of the host's time before the step's first launch, round 44)."""
+    at 64 x 8k, ~1 ms of the host's time before the step's first launch)."""
     W, c, q0 = int(b.q_len[r]), int(b.committed[r]), int(b.qo_indptr[r])
     arrays[pre + "slots"] = slots[r: r + 1]
     return RefGroup(pre, 1, W, c + W, int(slots[r]), c + 1, b.num_rows == 1, (q0, q0 + W),

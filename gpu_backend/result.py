@@ -2,7 +2,7 @@
 
 The loop judges a read-back's steps (`driver.EARLY` of them) in one numpy pass over all their
 tokens (`judge`) and keeps the codes as arrays (`Judged`): building a `RowResult` per row inside
-the loop was ~85 µs of its host a step at batch 64 on the H200 (docs/gpu.md round 14), a sixth
+the loop was ~85 µs of its host a step at batch 64 on the H200, a sixth
 of a step's wall. `ReplayResult.rows` builds the objects the first time it is read; `counts`,
 `ok` and `max_ok_error` read the arrays.
 """

@@ -24,7 +24,7 @@ from gpu_backend.staging import Chunk
 
 SLOTS = 3  # shared buffers a worker cycles through. On a GPU the loop uploads a chunk straight
 # from its slot (registered with CUDA: no copy into pinned memory, which cost the loop 70-95 µs a
-# step at 64 x 2k on the H200's host, round 17) and gives the slot back once the chunk's steps
+# step at 64 x 2k on the H200's host) and gives the slot back once the chunk's steps
 # are all judged (`Ring.release`), so a worker ahead of the loop waits for a slot
 SLOT_BYTES = 8 << 20  # a chunk's words and metadata: 8 steps at 64 x 8k are ~2.7 MB, at 128 x 8k
 # ~5.3 MB; a larger part goes through the pipe
@@ -82,7 +82,7 @@ class Ring:
 class Pinned:
     """The loop's registration of a ring's slots with CUDA (page-locked: a chunk uploads from
     its slot asynchronously). Made in a thread beside the loop (35-50 ms for 4 workers' 96 MB
-    on the H200's host, round 17: the loop copies the chunks that arrive before it is done),
+    on the H200's host: the loop copies the chunks that arrive before it is done),
     after the fork (a registered range is not inherited), and undone by the driver once the
     replay's device work is done (`undo`, in `HostState.cleanup`)."""
 

@@ -2,7 +2,7 @@
 
 `FullWatch` sums every page of the pool after every step and compares: the obvious check, and
 on the GPU a third full read of the KV bytes per step beside FlashInfer's and the reference's
-(the device is then busy ~2.9-3.0x the kernels' own time: docs/gpu.md, round 7).
+(the device is then busy ~2.9-3.0x the kernels' own time).
 
 `IncrementalWatch` reads, per step, only the pages the step's appends target (`wpages`: the
 engine's table, known ahead) and keeps an *expected* sum for every page:
@@ -31,7 +31,7 @@ from gpu_backend.pool import KVPool
 from gpu_backend.prepare import Prepared
 
 EVERY = 16  # steps between IncrementalWatch's whole-pool checks
-# a fresh pool's first look known without a read (`written`); False: read, as before round 45,
+# a fresh pool's first look known without a read (`written`); False: read it,
 # for pairs (`bench/gpu_pair.py --set watch.KNOWN_FRESH=False`)
 KNOWN_FRESH = True
 
@@ -152,7 +152,7 @@ def written(w: Watch, p: Prepared) -> bool:
     False only on the first step of a pool nothing has written since it was made (`fresh`)
     whose events apply no op (a fresh pool's new pages need no poison: `events.fresh_pool`).
     Its touched pages and targets then still sum to the made pool's sums, and a look at them
-    read ~1 GB at a 64 x 2k prompts' step (0.27 ms of device, round 41's profile). Nothing but
+    read ~1 GB at a 64 x 2k prompts' step (0.27 ms of device). Nothing but
     the pool's own fill ran on it before, so nothing there is left unseen; the step's kernels
     run after this and are checked as every step's are. Asking ends the freshness: a watch asks
     once a step, after its events, and the kernels write next."""

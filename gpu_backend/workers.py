@@ -1,10 +1,10 @@
 """The replay's preparation (`gpu_backend.prepare`) in worker processes, beside the step loop.
 
 Why: at batch 64 x kv 2k the device runs a step in ~0.32 ms, and preparing one took the H200's
-host 0.6-1.0 ms on the loop's own thread (docs/gpu.md, round 12): the replay was bound by the
-host's preparation end to end. Here N forked workers prepare it while the loop only launches.
-Since the loop's own preparation got ~4x cheaper (rounds 20-29) they no longer pay, and a replay
-takes them only when asked (`usable`, round 30).
+host 0.6-1.0 ms on the loop's own thread when the preparation was all numpy: the replay was
+bound by the host's preparation end to end. Here N forked workers prepare it while the loop only
+launches. The loop's own preparation is now ~4x cheaper, so they no longer pay, and a replay
+takes them only when asked (`usable`).
 
 The steps (those with rows) are cut into chunks: chunk 0, the loop's own while the workers start,
 is the prompts' step (whose arrays cost more to ship than to build: ~0.3 s before the first
@@ -16,7 +16,7 @@ cheaply (`prepare.advance`: events and slots, no arrays). A prepared chunk is it
 (`staging.Chunk.words`) and the steps' metadata (pickled `Prepared` fields with the batch as
 `StepBatch.shipped`, ~10 kB a step at 64 x 2k), written into the worker's shared-memory slot
 (`gpu_backend.slots`); the pipe carries only which slot. Through the pipe itself a chunk's
-megabyte cost the loop ~1.2 ms on the H200's host (docs/gpu.md round 13); a part larger than a
+megabyte cost the loop ~1.2 ms on the H200's host; a part larger than a
 slot (a long prompt step) still goes that way. The loop receives the chunks in order, at most
 one ahead of the steps it hands out. On a GPU it uploads a chunk's words from the slot itself,
 which CUDA has page-locked, and gives the slot back once the chunk's steps are all judged.
@@ -63,14 +63,13 @@ def usable(device: torch.device | str) -> int:
     or more (two left to the loop and the driver's threads; 8 were slower than 4 on the H200's
     host), else none (the CPU reference backend's torch needs those cores).
 
-    No replay takes them unless asked. Round 19 made them the default for traces of 256+ steps
-    at 64 x 2k, when the loop's own preparation took 0.85 ms a generation step on the H200's
-    host; since round 26 it takes ~0.2 ms, and the workers' fixed start (66-119 ms) and their
-    receiving no longer pay. Round 30 (bench/results/round30/, the whole replay, both ways in
-    one run each, a slow host): 64 x 2k, 256 steps 251 and 306 ms with 4 workers against 213
-    and 211 on the loop's thread; 512 steps 399 against 316 (~0.58 against ~0.41 ms a step
-    past 256); 64 x 4k, 256 steps 369 against 247. On a fast host: 64 x 2k, 256 steps 219
-    against 127 ms, 512 steps 341 against 240."""
+    No replay takes them unless asked. They paid for traces of 256+ steps at 64 x 2k while the
+    loop's own preparation took 0.85 ms a generation step on the H200's host; at its ~0.2 ms
+    the workers' fixed start (66-119 ms) and their receiving no longer pay. The whole replay,
+    both ways in one run each, on a slow host: 64 x 2k, 256 steps 251 and 306 ms with 4
+    workers against 213 and 211 on the loop's thread; 512 steps 399 against 316 (~0.58 against
+    ~0.41 ms a step past 256); 64 x 4k, 256 steps 369 against 247. On a fast host: 64 x 2k,
+    256 steps 219 against 127 ms, 512 steps 341 against 240."""
     cores = os.cpu_count() or 1
     return min(4, cores - 2) if torch.device(device).type == "cuda" and cores >= 6 else 0
 
@@ -156,9 +155,9 @@ def _chunk(i: int, per: int) -> int:
     slowly (its first writes copy the pages it shares with the loop: 8 steps took 11-17 ms on a
     development machine against ~4 ms warm) and the loop needs it at once; each later one is
     needed after the loop has run all the chunks before it.
-    Forking after chunk 0 instead, while the device ran the prompts' step (2026-12-02), was
-    slower at 64 x 2k: the first worker chunk then came ~45 ms after the forks, which no longer
-    overlapped the loop's preparation of the prompts' step (`docs/gpu.md` round 18)."""
+    Forking after chunk 0 instead, while the device runs the prompts' step, is slower at
+    64 x 2k: the first worker chunk then comes ~45 ms after the forks, which no longer overlap
+    the loop's preparation of the prompts' step."""
     return prepare.ramp(i, per, LEAD)
 
 

@@ -8,13 +8,13 @@ page of it faults on first write. On this project's 2-core development machines 
 costs ~3.5 µs: a numba pass that writes ten 131k-element arrays took 8.7 ms, 0.5 ms once the heap
 kept its memory. The GPU replay's preparation of a prompts' step took 0.80x the time at 64 x 2k
 and 0.92x at 128 x 8k (alternated in forked processes here; the generation steps' arrays are
-small, and theirs did not change: docs/gpu.md, round 21).
+small, and theirs did not change).
 
 While `kept()` is active, allocations up to 32 MiB (glibc's most) come from the heap, which
 gives nothing back; on exit it is trimmed (`malloc_trim`), unless `kept(trim=False)`: then the
 process keeps the freed memory for its next use, and `trim()` gives it back when the caller
 chooses. The GPU replay takes that: on the H200's host the trim took 0.9-1.6 ms of every
-replay's wall (bench/results/round32), after the device had finished. Peak memory is unchanged
+replay's wall, after the device had finished. Peak memory is unchanged
 either way: only freed memory is held, and reused. (A 64 MiB top pad as well made no
 difference.)
 

@@ -55,12 +55,12 @@ def register(app: typer.Typer) -> None:
                                    "default a steady MTP step (one FA2 launch over rows of one "
                                    "width) replays as a CUDA graph: the same kernels and "
                                    "verdicts, 1.2-2x less wall time a step at batch 64 x kv 2k "
-                                   "on the H200 (docs/gpu.md round 10)"),
+                                   "on the H200"),
         prepare_workers: int | None = typer.Option(
             None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
             "(default 0: the loop prepares them itself). The same verdicts. They cost a fixed "
             "~0.1 s and no longer pay: on the H200 a 64 x kv 2k replay took 1.2-1.7x the time "
-            "with 4 of them at 256 and 512 steps, 1.5x at 64 x kv 4k (docs/gpu.md round 30)"),
+            "with 4 of them at 256 and 512 steps, 1.5x at 64 x kv 4k"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()

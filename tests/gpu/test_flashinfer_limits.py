@@ -1,7 +1,7 @@
 """A FlashInfer 0.7.2 limit the replay found, pinned: the FA2 paged prefill kernel gets a
 request's output wrong once the launch's query/output tensors pass 2^32 elements; the FA3 one
 (FlashInfer's "auto" choice on Hopper) does not. Found by `bench/gpu_replay.py --sweep` at batch
-128, kv 16k on the H200 (docs/gpu.md, round 5); the replay launches FA2, as the engines it
+128, kv 16k on the H200; the replay launches FA2, as the engines it
 models do on the paths it replays.
 
 At 32 query heads x head_dim 128 a token is 4,096 elements, so 2^20 = 1,048,576 query tokens in

@@ -131,7 +131,7 @@ def test_reference_kernel_matches_torch_fp32_and_fp64(fused: ModuleType, R: int,
     ref64 = _fp64(q, k, v, limit)
     for _ in range(2):
         out = fused.attend(q, kv, slots, limit, L)
-        # H200, these seeds: max |out - fp64| 1.45e-6 .. 1.91e-6 (probe4's data: up to 2.8e-6 on a
+        # H200, these seeds: max |out - fp64| 1.45e-6 .. 1.91e-6 (up to 2.8e-6 on a
         # 512-query chunk); a key off by one moves an output by ~1e-2
         assert (out.double() - ref64).abs().max().item() < 3e-6
         assert (out - ref32).abs().max().item() < 6e-6  # the torch path: 1e-6 / 3.4e-6 to fp64

@@ -1,5 +1,5 @@
 """Preparation workers (gpu_backend/workers.py) on the GPU: a FlashInfer replay with its steps
-prepared by forked workers (`--prepare-workers N`; the default until round 30) gives the rows of the
+prepared by forked workers (`--prepare-workers N`) gives the rows of the
 loop's own preparation, CUDA graphs included; the workers never touch the device."""
 
 from __future__ import annotations

@@ -224,7 +224,7 @@ def test_a_step_deferred_before_the_graphs_are_known_is_no_graph_step(tmp_path: 
     """The loop sets `HostState.graphs` only once its first step's content and reference are
     queued (`driver.Rig`). A step deferred before then completes as an eager step with its
     arrays whole: a graph reads the content's arrays and the rest as one block, which a deferred
-    step stages apart (the layout raised KeyError before 2026-12-04's fix)."""
+    step stages apart (the layout raised KeyError on such a step)."""
     trace = _trace(tmp_path, "big")
     s0, s1 = prepare.replayed(trace)[:2]
     flight = driver.in_flight_poison(trace)

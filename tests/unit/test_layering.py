@@ -58,7 +58,7 @@ def test_running_the_simulator_never_imports_torch():
 
 def test_gpu_tests_collect_where_triton_and_flashinfer_are_missing():
     # CI's torch is the CPU build, without Triton: a GPU test module that imports a Triton
-    # module at its top broke the whole run (round 27, test_beside.py) instead of skipping.
+    # module at its top breaks the whole run instead of skipping.
     code = (
         "import sys, pytest\n"
         "class Block:\n"

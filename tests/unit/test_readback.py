@@ -1,6 +1,6 @@
 """gpu_backend/readback.py and the loop's read-backs (`driver._loop`): a long prompt step is
-read back alone and judged once it arrives, the host never waiting for it there (round 31:
-the device sat idle while the host judged it); a settle judges each read-back as it arrives
+read back alone and judged once it arrives, the host never waiting for it there (a wait
+there leaves the device idle while the host judges it); a settle judges each read-back as it arrives
 and only then reads the watch's flag (a sync that waited for every step before any verdict)."""
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def test_a_settles_last_read_back_brings_the_flag_judged_after_every_verdict(
 def test_read_backs_shrink_toward_the_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                           ) -> None:
     """A read-back holds at most one step more than are left after it, so they halve toward the
-    end (round 32: a 12-step replay judged its 11 generation steps after the device's end), and
+    end (one read-back at the end judges every step of a short replay after the device's end), and
     the verdicts are the same."""
     trace = load_trace(named_trace(tmp_path, "big", 40))
     monkeypatch.setattr(driver, "EARLY", 1 << 30)  # the old rule, a read-back at the end only
@@ -135,7 +135,7 @@ def test_read_backs_shrink_toward_the_end(tmp_path: Path, monkeypatch: pytest.Mo
 def test_the_replay_leaves_its_heap_untrimmed(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """`sim.heap.kept(trim=False)`: malloc_trim took 0.9-1.6 ms of a replay's wall on the H200's
-    host after the device had finished (round 32)."""
+    host after the device had finished."""
     from sim import heap
 
     if not heap.available():

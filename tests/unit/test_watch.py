@@ -144,7 +144,7 @@ def test_a_pool_is_fresh_for_one_step_and_only_without_ops() -> None:
 
 
 def test_known_fresh_off_reads_the_first_look(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`watch.KNOWN_FRESH = False` (pairs against round 44's code): every look reads."""
+    """`watch.KNOWN_FRESH = False` (for pairs against the reading way): every look reads."""
     monkeypatch.setattr(watch_module, "KNOWN_FRESH", False)
     pool = KVPool(4, 1, 2, 1, 4, torch.bfloat16, "cpu")
     w = IncrementalWatch(pool, fresh=True)

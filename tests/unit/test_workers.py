@@ -252,7 +252,7 @@ def test_workers_only_on_a_gpu_host_with_cores_for_them(monkeypatch: pytest.Monk
 def test_a_replay_takes_no_workers_unless_asked(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The loop's own preparation by default, even for a long trace on a host with the cores
-    (round 30: the workers were slower at every length the H200 measured)."""
+    (the workers were slower at every length the H200 measured)."""
     monkeypatch.setattr(workers, "usable", lambda device: 4)  # a host with the cores for them
     t = load_trace(big_verify(tmp_path / "long", batch=4, kv=64, steps=300))
     res = replay(t, ReferenceKernels(t.model.num_q_heads, t.model.num_blocks), "cpu")

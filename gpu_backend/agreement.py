@@ -1,5 +1,5 @@
 """Agreement matrix: per trace, the simulator's violations, the expected verdicts, the CPU
-reference's and FlashInfer's verdicts per row, and whether they agree (DESIGN §6).
+reference's and FlashInfer's verdicts per row, and whether they agree (docs/design.md §6).
 
 python -m gpu_backend.agreement TRACE_DIR... --out docs/agreement.md [--expected E.json]
                                             [--json OUT.json] [--backends reference,flashinfer]

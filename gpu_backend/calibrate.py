@@ -1,6 +1,6 @@
 """`kvsim calibrate`: FlashInfer attention and bf16 GEMM times on this GPU, for the cost model.
 
-Method (/work/.library/device/METHOD.md): CUDA events around a block of launches after warm-up,
+Method: CUDA events around a block of launches after warm-up,
 median over blocks, per-launch microseconds. Attention inputs: Llama-3.1-8B heads (32 q, 8 kv,
 d 128), bf16, NHD, each request's pages contiguous and full except the last. GEMM: torch.matmul
 bf16 [m, k] @ [k, n] for the model's projection shapes.

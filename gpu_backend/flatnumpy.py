@@ -21,7 +21,7 @@ def flat_numpy(c: Columns, indptr: np.ndarray, ind: np.ndarray, shared: np.ndarr
     app_row, j_app = _ragged(a_len)
     app_row = app_row.astype(I32)
     app = c["append_pos"]
-    # Append addresses indices[indptr[b] + pos // B] with no bounds check (reference §3).
+    # Append addresses indices[indptr[b] + pos // B] with no bounds check (docs/design.md §3.5).
     slot = indptr[app_row] + app // B
     inside = (slot >= 0) & (slot < len(ind))
     eng = np.where(inside, ind[np.clip(slot, 0, max(len(ind) - 1, 0))] if len(ind) else -1, -1)

@@ -165,7 +165,7 @@ def rows(same: bool, r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarra
 @nb.njit(cache=True, inline="always")
 def _engine(ind: np.ndarray, s: int, guard: int, n_ind: int) -> int:
     """The pool page an engine's append through table entry s writes: indices[indptr[r] +
-    pos // B], no bounds check (reference §3); a tail entry's is the left guard's last page;
+    pos // B], no bounds check (docs/design.md §3.5); a tail entry's is the left guard's last page;
     -1 outside the table and its tail."""
     if 0 <= s < len(ind) and ind[s] >= -guard:
         return ind[s] + guard

@@ -1,5 +1,5 @@
 """The truth side of the replay: contiguous per-request K/V, the fp32 reference output per row,
-and the per-row verdicts (DESIGN §6).
+and the per-row verdicts (docs/design.md §6).
 
 Verdicts, most severe first: fault > corrupt > nan > mismatch > ok. The device keeps, per step,
 only what the verdicts need (per-token max error and NaN flags, the pages whose checksum moved);

@@ -1,9 +1,9 @@
 """`--backend reference`: the kernels emulated in torch on the CPU through sim.check.access.
 
 The access model says which (position, page, slot) each row's attention reads and its append
-writes, exactly as FlashInfer 0.7.2 would (DESIGN §3.5); this module only turns those accesses
-into pool reads/writes and fp32 softmax attention, so the GPU and CPU replays differ only in who
-computes. An ordinal past the table (WILD) reads the -1 entries both backends place after
+writes, exactly as FlashInfer 0.7.2 would (docs/design.md §3.5); this module only turns those
+accesses into pool reads/writes and fp32 softmax attention, so the GPU and CPU replays differ only
+in who computes. An ordinal past the table (WILD) reads the -1 entries both backends place after
 `kv_indices` (layout.TAIL): the guard page before page 0. A page id past the guard band is
 undefined on the device; the reference reports it as a fault instead of guessing.
 

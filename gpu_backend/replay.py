@@ -1,20 +1,19 @@
 """`--backend flashinfer`: the engine's metadata through FlashInfer 0.7.2's real kernels.
 
-Per step (re-planned every step, eager mode: see /work/shared/reference/flashinfer.md §5 on
-stale CUDA-graph plans):
+Per step (re-planned every step, eager mode: a plan is shape-specific, docs/design.md §3.5):
   append  `append_paged_kv_cache` at the engine's positions through the engine's flat table
-          (no bounds checks, reference §3: a position past a row writes the next row's pages);
+          (no bounds checks: a position past a row writes the next row's pages);
   attend  the batch split into maximal runs of one kind, each launched with the *global*
           `kv_indices` and its slice of `kv_indptr` (FA2's only clamp is the launch's last indptr):
           q_len 1 gen rows -> BatchDecodeWithPagedKVCacheWrapper (CUDA-core decode);
           verify / ctx rows -> BatchPrefillWithPagedKVCacheWrapper(backend fa2|fa3), causal;
           xqa steps' gen rows -> xqa_batch_decode_with_kv_cache(block_tables, seq_lens, mask)
-          where XQA builds (page size 16/32/64/128, one draft width per launch, reference §4);
+          where XQA builds (page size 16/32/64/128, one draft width per launch);
           otherwise, and for the ctx rows of xqa steps, FA2 over the block table's rows as CSR
           (layout.xqa_*: the pages XQA reads, lengths from seq_lens).
 An fa2/fa3 step whose trace says the plan was built for another width/batch (`plan_q_len`,
 `plan_batch`, `layout.stale_plan`) is planned for that shape and run with the real query
-(reference §2: plans are shape-specific); FlashInfer 0.7.2's run() refuses a query whose width
+(plans are shape-specific); FlashInfer 0.7.2's run() refuses a query whose width
 differs from the plan's (flashinfer/decode.py, BatchDecodeWithPagedKVCacheWrapper.run) and the
 step is a `fault`. XQA has no plan, so there the mismatch has no kernel effect.
 
@@ -245,7 +244,7 @@ class FlashInferKernels:
         query through it. A width > 1 needs the tensor-core (FA2) decode path.
 
         The output is a NaN buffer of its own, padded to the plan's n * width rows: rows the plan
-        does not cover stay NaN, and a plan for more rows than the query (reference §5: the
+        does not cover stay NaN, and a plan for more rows than the query (docs/design.md §3.5: the
         kernel then writes past `out`) writes into the padding, not into another launch's rows."""
         sel = np.minimum(np.arange(n), e - s - 1) + s
         ptr = np.concatenate([b.kv_indptr[sel], [b.kv_indptr[min(s + n, e)]]])
@@ -286,7 +285,7 @@ class FlashInferKernels:
 
 
     def _xqa_mask(self, n: int, W: int) -> torch.Tensor:
-        """The draft-block causal mask, bit j of row i set iff j <= i (reference §4); built and
+        """The draft-block causal mask, bit j of row i set iff j <= i; built and
         uploaded once per shape (an upload from pageable memory syncs the stream)."""
         if (n, W) not in self.masks:
             words = (W + 31) // 32

@@ -1,4 +1,4 @@
-"""Which pool pages a step's kernels changed (DESIGN §6 "Writes"), two ways with one answer.
+"""Which pool pages a step's kernels changed (docs/design.md §6 "Writes"), two ways with one answer.
 
 `FullWatch` sums every page of the pool after every step and compares: the obvious check, and
 on the GPU a third full read of the KV bytes per step beside FlashInfer's and the reference's

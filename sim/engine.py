@@ -1,6 +1,6 @@
 """The engine loop in simulated time (the only simpy user).
 
-Iteration k, overlap on (DESIGN §3.4):
+Iteration k, overlap on (docs/design.md §3.4):
 
     host:   | schedule k | build k | launch k | wait k-1, process k-1 | schedule k+1 | ...
     device:              |   ... k-1 ...    |       k        |           k+1

@@ -1,4 +1,4 @@
-"""Invariant checking from trace records (DESIGN §3.7): online per step, or offline per trace."""
+"""Invariant checking from trace records (docs/design.md §3.7): online per step, or offline."""
 
 from sim.check.access import StepAccess, access_of, step_access
 from sim.check.checker import StepChecker

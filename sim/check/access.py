@@ -1,4 +1,4 @@
-"""The attention kernels' page access model (DESIGN §3.5), shared by the checker and CPU replay.
+"""The kernels' page access model (docs/design.md §3.5), shared by the checker and CPU replay.
 
 Given one step's engine metadata, it says exactly which (position, page, slot) each row's
 attention READS and which its `append_paged_kv_cache` WRITES, as FlashInfer 0.7.2 would:

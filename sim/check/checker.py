@@ -1,4 +1,4 @@
-"""StepChecker: every invariant of DESIGN §3.7 that records can show, composed.
+"""StepChecker: every invariant of docs/design.md §3.7 that records can show, composed.
 
 Call order, identical online (fed by the engine) and offline (fed by `iter_records`):
 

@@ -1,4 +1,4 @@
-"""Invariant ids and one-line descriptions (DESIGN §3.7), for `kvsim profiles` and reports."""
+"""Invariant ids and one-line descriptions (docs/design.md §3.7), for `kvsim profiles`, reports."""
 
 from __future__ import annotations
 

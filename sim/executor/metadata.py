@@ -1,6 +1,6 @@
 """Attention metadata exactly as the profile's engine builds it, next to the device truth.
 
-Generation row r of width W with its previous step in flight (DESIGN §3.4):
+Generation row r of width W with its previous step in flight (docs/design.md §3.4):
 
     host:   cached_host = N-1+W   kv_len_host = N-1+2W     (assumes every draft was accepted)
     device: committed   = N-1+new_tokens_prev              offset = new_tokens_prev - W

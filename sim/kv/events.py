@@ -1,4 +1,4 @@
-"""Where the KV mechanisms append their block events (DESIGN §3.7 POOL, docs/trace.md blocks)."""
+"""Where the KV mechanisms append their block events (docs/design.md §3.7 Pool, docs/trace.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Named engine profiles and the fault catalog (DESIGN §3.6 plus bugs from public history)."""
+"""Named engine profiles and the fault catalog (docs/design.md §3.6, bugs from public history)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("draft_past_limit", {"draft_clamp": False}, "I16",
           "TRT-LLM #4879; Gemma4 RoPE table", "drafts not clamped at the position limit"),
     Fault("gne_without_headroom", {"gne_spec_headroom": False}, "I19",
-          "DESIGN §3.3 (TRT-LLM getRemainingBlocksToCompletion)",
+          "docs/design.md §3.3 (TRT-LLM getRemainingBlocksToCompletion)",
           "admission omits 2(W-1)+extra: a later reservation fails"),
     Fault("device_ahead_overrun", {"reserve_extra_kv": False}, "I1",
           "TRT-LLM #16280", "draft-layer KV written past the reservation"),

@@ -1,6 +1,6 @@
 """Engine behaviour switches. A profile is a named set of them; each known bug is one switch away.
 
-Every field is a behaviour of DESIGN §3.6; the fixed value is the default of `Switches()`.
+Every field is a behaviour of docs/design.md §3.6; the fixed value is the default of `Switches()`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Three sources, exactly one per scenario (see `config.py` for the TOML):
 - `trace`: the public Azure 2023 and Mooncake traces (`traces.py`, `readers.py`), with an
   optional synthetic `fallback` where the file is absent.
 
-Everything random comes from the generator the caller passes (one per subsystem, DESIGN.md §4)
+Everything random comes from the generator the caller passes (one per subsystem, docs/design.md §4)
 or from stable functions of trace content; never Python's `hash()` or the clock. Same config and
 seed ⇒ identical arrays. Token ids of generated prompts are made lazily (`content.py`), so
 `iter_workload` runs a million-request workload in bounded memory; `build_workload` is its list.

@@ -193,7 +193,7 @@ def shared_block_written(out: Path) -> Path:
 
 def overlap_uncorrected(out: Path) -> Path:
     """Host estimate used on the device: after a step that accepted 1 of 3 drafts, positions and
-    kv_len run D - a = 2 slots ahead of the truth (DESIGN §3.4, pre-fix FlashInfer path)."""
+    kv_len run D - a = 2 slots ahead of the truth (docs/design.md §3.4, pre-fix FlashInfer path)."""
     b = _two(29, 45)
     b.step([b.gen(0, 3, 1), b.gen(1, 3, 3)])
     r0 = b.gen(0, 3, 2)

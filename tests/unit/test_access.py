@@ -1,4 +1,4 @@
-"""The kernels' access model (DESIGN §3.5): exact (position, page, slot) lists per backend."""
+"""The kernels' access model (docs/design.md §3.5): exact (position, page, slot) lists."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""I8, I9, I11, I12, I16, I14, I20 and the DESIGN §3.4 worked example."""
+"""I8, I9, I11, I12, I16, I14, I20 and the docs/design.md §3.4 worked example."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ def test_registry_names_every_implemented_invariant() -> None:
             "I14", "I16", "I17", "I20", "POOL"} == set(INVARIANTS)
 
 
-# -- DESIGN §3.4 worked example: B=32, D=3, W=4, P=58, overlap --------------------------------
+# -- docs/design.md §3.4 worked example: B=32, D=3, W=4, P=58, overlap ------------------------
 WORLD = {"tokens_per_block": 32, "num_blocks": 8, "null_block": False}
 P, W = 58, 4
 CTX = RowRecord(step=0, row=0, request=0, phase="ctx", q_len=P, draft_len=0, first_gen=False,

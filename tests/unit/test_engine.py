@@ -1,4 +1,4 @@
-"""Engine arithmetic pinned row by row: DESIGN §3.4's worked examples, overlap offsets."""
+"""Engine arithmetic pinned row by row: docs/design.md §3.4's worked examples, overlap offsets."""
 
 from pathlib import Path
 

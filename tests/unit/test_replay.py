@@ -224,7 +224,7 @@ def test_a_reused_plan_of_the_same_shape_in_a_mixed_step_is_not_stale(tmp_path: 
     # plan_batch counts every row of the step (the simulator's I14 compares it with the row
     # count); the decode launch has one row. Comparing plan_batch with the launch's rows made
     # FlashInfer plan a batch-2 CUDA-core decode for a 1-row query: q/out read and written past
-    # their end (reference §5).
+    # their end (docs/design.md §3.5).
     t = load_trace(_mixed_step(tmp_path / "t", plan_batch=2))
     b = build_step(t.steps[1], t.rows[1], 16, 16)
     assert [(s, e, k) for s, e, k in launch_runs(b)] == [(0, 1, "ctx"), (1, 2, "decode")]

@@ -54,6 +54,15 @@ def check_out(raw: str | os.PathLike[str], kind: Kind, force: bool = False,
               flag: str = "--out") -> Plan:
     """Decide what writing `raw` would do, before any work. Raises OutputError (exit 2)."""
     where = f"{flag} {str(raw)!r}" if str(raw) in ("", ".") else f"{flag} {raw}"
+    try:
+        return _plan(raw, kind, force, flag, where)
+    except OSError as e:  # a name too long, say: what the system says, on one line
+        raise OutputError(f"{where}: cannot be used ({e.strerror or e})") from None
+    except RuntimeError:  # pathlib's word for a loop of symbolic links
+        raise OutputError(f"{where}: is inside a loop of symbolic links") from None
+
+
+def _plan(raw: str | os.PathLike[str], kind: Kind, force: bool, flag: str, where: str) -> Plan:
     path = _refuse_special(raw, where)
     _check_parent(path, where)
     if not path.exists():

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 
 from sim.cli.common import user_errors
-from sim.outputs import Kind, check_out, write_file
+from sim.outputs import Kind, Plan, check_out, write_file
 
 
 def register(app: typer.Typer) -> None:
@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         """Time FlashInfer decode/verify/prefill and bf16 GEMMs on this GPU (needs CUDA)."""
         console = Console()
         with user_errors():  # before any work: a refused --out costs nothing
-            check_out(out, Kind.CALIBRATION, force)
+            plan = check_out(out, Kind.CALIBRATION, force)
         path = Path(out)
         try:
             import torch
@@ -42,9 +42,10 @@ def register(app: typer.Typer) -> None:
         except ImportError as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None
-        prof = measure(quick, log=lambda s: console.print(s, highlight=False),
-                       checkpoint=lambda p: write_file(path, json.dumps(p, indent=1),
-                                                       Kind.CALIBRATION))
+        # a new file gets the partial table as it grows; an old one stays whole until the end
+        keep = None if plan is Plan.REPLACE else (
+            lambda p: write_file(path, json.dumps(p, indent=1), Kind.CALIBRATION))
+        prof = measure(quick, log=lambda s: console.print(s, highlight=False), checkpoint=keep)
         write_file(path, json.dumps(prof, indent=1), Kind.CALIBRATION)
         console.print(f"wrote {path}: {len(prof['attention'])} attention and "
                       f"{len(prof['gemm'])} GEMM points")

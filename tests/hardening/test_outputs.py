@@ -77,6 +77,8 @@ def _user_files(root: Path) -> dict[str, str]:
     (root / "essay.txt").write_text("draft\n")
     os.mkfifo(root / "pipe")
     (root / "link").symlink_to(notes)
+    (root / "loop1").symlink_to(root / "loop2")
+    (root / "loop2").symlink_to(root / "loop1")
     ro = root / "locked"
     ro.mkdir()
     ro.chmod(0o555)
@@ -86,6 +88,7 @@ def _user_files(root: Path) -> dict[str, str]:
             "the working directory": ".", "the working directory by name": str(root / "cwd"),
             "an empty string": "", "the root": "/", "the home folder": str(Path.home()),
             "a missing parent": str(root / "absent" / "out"),
+            "a loop of links": str(root / "loop1" / "out"), "a name too long": "n" * 300,
             "a read-only mount": "/proc/kvsim-out",  # read-only even for root
             "a read-only folder": str(ro / "out")}
 
@@ -138,7 +141,7 @@ def test_user_paths_are_refused_by_every_command(tmp_path: Path, inputs: dict[st
                         [flag, repr(out) if out in ("", ".") else out])
             failures += _check(case, root)
     assert failures == []
-    assert n >= 6 * 13
+    assert n >= 6 * 15
 
 
 def test_other_kinds_of_kvsim_output_are_refused(tmp_path: Path, inputs: dict[str, Path]) -> None:

@@ -110,7 +110,7 @@ def _check_parent(path: Path, where: str) -> None:
     if not parent.is_dir():
         raise OutputError(f"{where}: folder {parent} does not exist; create it first")
     try:  # as root, permission bits say nothing: only a real write tells a read-only parent
-        os.rmdir(tempfile.mkdtemp(prefix=f".{path.name}.probe-", dir=parent))
+        os.rmdir(tempfile.mkdtemp(prefix=".kvsim-probe-", dir=parent))
     except OSError as e:
         raise OutputError(f"{where}: folder {parent} is not writable "
                           f"({e.strerror or e})") from None

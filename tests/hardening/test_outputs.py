@@ -220,13 +220,25 @@ def test_sweep_resumes_its_own_folder_and_force_starts_afresh(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]
 
 
-def test_failed_sweep_leaves_nothing(tmp_path: Path, inputs: dict[str, Path]) -> None:
-    bad = tmp_path / "bad.toml"
-    bad.write_text(f'base = "{inputs["scenario"]}"\n[grid]\n"cache.no_such_knob" = [1]\n')
-    case = Case("sweep with an unknown grid key", ["sweep", str(bad), "--out",
-                                                   str(tmp_path / "new")],
-                ["cache.no_such_knob"], tmp_path / "new")
-    assert _check(case, tmp_path) == []
+def test_failed_sweeps_leave_nothing(tmp_path: Path, inputs: dict[str, Path]) -> None:
+    """A grid key the scenario lacks fails validation; a bad workload trace row fails in the
+    point's own run, after the sweep folder was made: neither leaves a folder behind."""
+    sc = json.loads(json.dumps(BASE))
+    sc["workload"] = {"trace": {"path": "bad.csv", "format": "azure2023"}}
+    (tmp_path / "trace.toml").write_bytes(to_toml(sc))
+    (tmp_path / "bad.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\nxx,1,2\n")
+    sweeps = {"grid key": (f'base = "{inputs["scenario"]}"\n[grid]\n"cache.no_such_knob" = [1]\n',
+                           "cache.no_such_knob"),
+              "trace row": ('base = "trace.toml"\n[grid]\n"seed" = [1]\n', "TIMESTAMP")}
+    failures = []
+    for name, (text, field) in sweeps.items():
+        f = tmp_path / f"{name.replace(' ', '_')}.toml"
+        f.write_text(text)
+        out = tmp_path / "new"
+        failures += _check(Case(f"sweep with a bad {name}", ["sweep", str(f), "--out", str(out),
+                                                           "--workers", "1"], [field], out),
+                           tmp_path)
+    assert failures == []
 
 
 def test_a_folder_that_appears_meanwhile_is_not_replaced(tmp_path: Path) -> None:

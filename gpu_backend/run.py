@@ -65,4 +65,8 @@ def from_json(d: dict[str, Any]) -> ReplayResult:
 
 
 def write_json(res: ReplayResult, out: Path, extra: dict[str, Any] | None = None) -> None:
-    out.write_text(json.dumps(dict(to_json(res), **(extra or {})), indent=1))
+    """Atomically; the leading "kvsim" key marks the file as a replay's (sim/outputs.py)."""
+    from sim.outputs import Kind, write_file
+
+    write_file(out, json.dumps({"kvsim": "replay", **to_json(res), **(extra or {})}, indent=1),
+               Kind.REPLAY)

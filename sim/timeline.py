@@ -11,12 +11,13 @@ traces and a crash never leaves a half file under the final name.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
 import pyarrow as pa
+
+from sim.outputs import Kind, file_temp, publish
 
 ENGINE, REQUESTS = 1, 2
 HOST, DEVICE = 1, 2
@@ -104,11 +105,11 @@ def _write(fh: IO[str], events: Iterator[dict]) -> int:
 def write_timeline(steps: pa.Table, requests: pa.Table, out: str | Path) -> int:
     """Write the Chrome trace JSON of a run to `out` atomically; returns the events written."""
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = file_temp(out)
     try:
         with tmp.open("w") as fh:
             n = _write(fh, _events(steps, requests))
-        os.replace(tmp, out)
+        publish(tmp, out, Kind.TIMELINE)
     finally:
         tmp.unlink(missing_ok=True)
     return n

@@ -11,15 +11,24 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from sim.cli.common import user_errors
+from sim.outputs import Kind, Plan, check_out, write_file
+
 
 def register(app: typer.Typer) -> None:
     @app.command("calibrate")
     def calibrate_cmd(
-        out: Path = typer.Option(..., "--out", help="profile JSON to write"),
+        out: str = typer.Option(..., "--out", help="profile JSON to write (a new path, or an "
+                                "earlier calibration with --force)"),
+        force: bool = typer.Option(False, "--force", help="Replace --out when it is an earlier "
+                                   "kvsim calibration."),
         quick: bool = typer.Option(False, help="a handful of grid points (about a minute)"),
     ) -> None:
         """Time FlashInfer decode/verify/prefill and bf16 GEMMs on this GPU (needs CUDA)."""
         console = Console()
+        with user_errors():  # before any work: a refused --out costs nothing
+            plan = check_out(out, Kind.CALIBRATION, force)
+        path = Path(out)
         try:
             import torch
         except ImportError:
@@ -33,8 +42,10 @@ def register(app: typer.Typer) -> None:
         except ImportError as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None
-        prof = measure(quick, log=lambda s: console.print(s, highlight=False),
-                       checkpoint=lambda p: out.write_text(json.dumps(p, indent=1)))
-        out.write_text(json.dumps(prof, indent=1))
-        console.print(f"wrote {out}: {len(prof['attention'])} attention and "
+        # a new file gets the partial table as it grows; an old one stays whole until the end
+        keep = None if plan is Plan.REPLACE else (
+            lambda p: write_file(path, json.dumps(p, indent=1), Kind.CALIBRATION))
+        prof = measure(quick, log=lambda s: console.print(s, highlight=False), checkpoint=keep)
+        write_file(path, json.dumps(prof, indent=1), Kind.CALIBRATION)
+        console.print(f"wrote {path}: {len(prof['attention'])} attention and "
                       f"{len(prof['gemm'])} GEMM points")

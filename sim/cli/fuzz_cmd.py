@@ -26,8 +26,11 @@ def fuzz_cmd(
                                 help="Engine profile, e.g. trtllm-post-17264 or BASE+FAULT."),
     budget: float = typer.Option(60.0, "--budget", help="Seconds to search before giving up."),
     seed: int = typer.Option(0, "--seed", help="Seed of the search's random streams."),
-    out: Path = typer.Option(Path("fuzz-out"), "--out", "-o",
-                             help="Folder for the shrunk scenario.toml and finding.json."),
+    out: str = typer.Option("fuzz-out", "--out", "-o",
+                            help="Folder for the shrunk scenario.toml and finding.json (a new "
+                                 "path, or an earlier finding with --force)."),
+    force: bool = typer.Option(False, "--force", help="Replace --out when it holds an earlier "
+                               "kvsim fuzz finding."),
     workers: int = typer.Option(1, "--workers", "-j",
                                 help="Processes sharing one example database (0 = all cores)."),
     db: Path = typer.Option(None, "--db",
@@ -44,7 +47,7 @@ def fuzz_cmd(
     """Search generated scenarios for an invariant violation under PROFILE."""
     from sim.fuzz.parallel import run_campaign
 
-    cfg = _validate(profile, budget, seed, out, workers, db, ignore, baseline)
+    cfg = _validate(profile, budget, seed, out, force, workers, db, ignore, baseline)
     with user_errors():
         if as_json or not err_console.is_terminal:
             finding, prog = run_campaign(cfg)
@@ -54,17 +57,19 @@ def fuzz_cmd(
                 finding, prog = run_campaign(cfg,
                                              lambda p: live.update(_table(cfg.profile, p)))
                 live.update(_table(cfg.profile, prog))
-    _finish(finding, prog, cfg, out, as_json)
+    _finish(finding, prog, cfg, Path(out), as_json)
 
 
-def _validate(profile: str, budget: float, seed: int, out: Path, workers: int,
+def _validate(profile: str, budget: float, seed: int, out: str, force: bool, workers: int,
               db: Path | None, ignore: list[str], baseline: str | None
               ):  # type: ignore[no-untyped-def]
     from sim.check.registry import INVARIANTS
     from sim.fuzz.parallel import CampaignConfig
+    from sim.outputs import Kind, check_out
     from sim.profiles import resolve_profile
 
     with user_errors():
+        check_out(out, Kind.FUZZ, force)  # before any work: a refused --out costs nothing
         resolve_profile(profile)  # unknown profile/fault: exit 2 before any work
         if baseline is not None:
             resolve_profile(baseline)
@@ -78,8 +83,6 @@ def _validate(profile: str, budget: float, seed: int, out: Path, workers: int,
         fail(f"--seed must be >= 0, got {seed}")
     if workers < 0:
         fail(f"--workers must be >= 0, got {workers}")
-    if out.exists() and not out.is_dir():
-        fail(f"--out {out} exists and is not a folder")
     # Not inside OUT: a finding replaces OUT whole, and the database must outlive it.
     db = db if db is not None else Path(".hypothesis/kvsim-fuzz")
     if db.exists() and not db.is_dir():
@@ -113,7 +116,8 @@ def _finish(finding, prog, cfg, out: Path, as_json: bool) -> None:  # type: igno
             console.print(f"clean: {prog.examples} examples, {len(prog.paths)} distinct paths, "
                           f"no invariant violated under {cfg.profile}")
         raise typer.Exit(0)
-    path = write_finding(finding, out)
+    with user_errors():
+        path = write_finding(finding, out)
     if as_json:
         console.print_json(json.dumps({**summary, "finding": finding_record(finding),
                                        "scenario": str(path)}))

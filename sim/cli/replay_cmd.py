@@ -27,8 +27,9 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from sim.cli.common import err_console
+from sim.cli.common import err_console, user_errors
 from sim.errors import KvsimError
+from sim.outputs import Kind, check_out
 
 _FIRST_BAD = 10
 
@@ -42,7 +43,10 @@ def register(app: typer.Typer) -> None:
                                                  "pinned on its step and the replay carries on"),
         sanitize: bool = typer.Option(False, help="re-run under compute-sanitizer memcheck "
                                                   "with the caching allocator off"),
-        json_out: Path | None = typer.Option(None, "--json", help="write every row's verdict"),
+        json_out: str | None = typer.Option(None, "--json", help="write every row's verdict "
+                                            "(a new path, or an earlier one with --force)"),
+        force: bool = typer.Option(False, "--force", help="Replace --json when it is an "
+                                   "earlier kvsim replay's."),
         tol: float | None = typer.Option(None, help="max |out - ref| of an ok row (default "
                                                     "2e-2, see docs/gpu.md)"),
         watch: str = typer.Option("incremental", help="how writes to pages no append aimed at "
@@ -64,6 +68,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()
+        if json_out is not None:  # before any work: a refused --json costs nothing
+            with user_errors():
+                check_out(json_out, Kind.REPLAY, force, "--json")
         if sanitize:
             _reexec_sanitized()
         if watch not in ("incremental", "full"):
@@ -78,7 +85,7 @@ def register(app: typer.Typer) -> None:
         if json_out is not None:
             from gpu_backend.run import write_json
 
-            write_json(res, json_out)
+            write_json(res, Path(json_out))
         raise typer.Exit(0 if res.ok else 1)
 
 

@@ -21,7 +21,10 @@ def run_cmd(
     profile: str = typer.Option(None, "--profile", "-p",
                                 help="Engine profile, e.g. trtllm-post-17264 or BASE+FAULT."),
     seed: int = typer.Option(None, "--seed", help="Override the scenario's seed."),
-    out: Path = typer.Option(None, "--out", "-o", help="Write the trace directory here."),
+    out: str = typer.Option(None, "--out", "-o", help="Write the trace directory here (a new "
+                            "path, or an earlier trace with --force)."),
+    force: bool = typer.Option(False, "--force", help="Replace --out when it holds an earlier "
+                               "kvsim trace."),
     switch: list[str] = typer.Option([], "--switch", "-s",
                                      help="Override one behaviour switch: NAME=VALUE."),
     no_check: bool = typer.Option(False, "--no-check",
@@ -36,8 +39,12 @@ def run_cmd(
     """Simulate a scenario. Exit 0: no invariant fired; 1: one did; 2: bad input."""
     from sim.api import load_scenario, run, switches_for
     from sim.errors import ProfileError
+    from sim.outputs import Kind, check_out
 
     with user_errors():
+        if out is not None:  # before any work: a refused --out costs nothing
+            check_out(out, Kind.TRACE, force)
+        trace = None if out is None else Path(out)
         sc, base = load_scenario(scenario)
         if seed is not None:
             sc = sc.model_copy(update={"seed": seed})
@@ -52,7 +59,7 @@ def run_cmd(
                       console=err_console, transient=True,
                       disable=as_json or not err_console.is_terminal) as bar:
             task = bar.add_task(f"simulating {scenario.name}", total=None)
-            res = run(sc, out=out, check=not no_check, profile=profile, switches=overrides,
+            res = run(sc, out=trace, check=not no_check, profile=profile, switches=overrides,
                       base_dir=base, on_progress=lambda k: bar.update(task, completed=k),
                       engine=engine, collect=False)  # summary, violations, trace: no tables
     if as_json:

@@ -11,26 +11,32 @@ from sim.errors import KvsimError
 
 
 def sweep(sweep_file: Annotated[Path, typer.Argument(help="sweep TOML")],
-          out: Annotated[Path, typer.Option("--out", "-o", help="results folder")],
+          out: Annotated[str, typer.Option("--out", "-o", help="results folder: a new path, or "
+                                           "an earlier sweep's (resumed; --force: afresh)")],
           workers: Annotated[int, typer.Option(help="local processes (0: one per CPU)")] = 0,
-          address: Annotated[str | None, typer.Option(help="Ray cluster address")] = None
+          address: Annotated[str | None, typer.Option(help="Ray cluster address")] = None,
+          force: Annotated[bool, typer.Option("--force", help="Start --out afresh when it "
+                                              "holds an earlier kvsim sweep.")] = False,
           ) -> None:
     """Run every grid point; write DIR/results.parquet (one row per point) and DIR/sweep.png."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from sim.outputs import Kind, Plan, check_out
     from sim.sweep import load_sweep, run_sweep
 
     try:
+        plan = check_out(out, Kind.SWEEP, force)  # before any work
         spec, base = load_sweep(sweep_file)
         with Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
             tid = bar.add_task("grid points", total=len(spec.points()))
-            res = run_sweep(spec, base, out, workers=workers, address=address,
-                            on_done=lambda done, _: bar.update(tid, completed=done))
+            res = run_sweep(spec, base, Path(out), workers=workers, address=address,
+                            on_done=lambda done, _: bar.update(tid, completed=done),
+                            fresh=plan is Plan.REPLACE)
     except KvsimError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"{out / 'results.parquet'}: {res.results.num_rows} points, "
+    typer.echo(f"{Path(out) / 'results.parquet'}: {res.results.num_rows} points, "
                f"{res.computed} simulations run, {res.cached} cached, {res.seconds:.1f} s")
     if res.plot is not None:
         typer.echo(f"{res.plot}")

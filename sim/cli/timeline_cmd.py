@@ -11,15 +11,17 @@ from sim.errors import KvsimError
 
 
 def timeline(trace_dir: Annotated[Path, typer.Argument(help="trace directory")],
-             out: Annotated[Path, typer.Option("--out", "-o", help="JSON file to write")]) -> None:
+             out: Annotated[str, typer.Option("--out", "-o", help="JSON file to write (a new "
+                                              "path, or an earlier timeline with --force)")],
+             force: Annotated[bool, typer.Option("--force", help="Replace --out when it is an "
+                                                 "earlier kvsim timeline.")] = False) -> None:
     """Host and device lanes (overlap), per-request spans and KV counters, for ui.perfetto.dev."""
+    from sim.outputs import Kind, check_out
     from sim.timeline import trace_timeline
 
-    if not out.parent.is_dir():
-        typer.echo(f"error: {out}: folder {out.parent} does not exist", err=True)
-        raise typer.Exit(2)
     try:
-        n = trace_timeline(trace_dir, out)
+        check_out(out, Kind.TIMELINE, force)  # before any work
+        n = trace_timeline(trace_dir, Path(out))
     except KvsimError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

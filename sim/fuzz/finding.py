@@ -1,20 +1,20 @@
 """Write a shrunk finding to disk: `scenario.toml` (reproduces it) and `finding.json`.
 
-The output folder is built in a temporary sibling and moved into place with `os.replace`, so a
-reader never sees half a finding, and a campaign killed mid-write leaves the old one intact.
+The output folder is built in a temporary sibling and published by sim/outputs.py, so a reader
+never sees half a finding, a campaign killed mid-write leaves the old one intact, and only an
+earlier finding (a folder with kvsim.json {"kind": "fuzz"}) is ever replaced.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from sim.fuzz.campaign import Finding
 from sim.fuzz.toml_out import dumps
+from sim.outputs import Kind, publish, temp_path, write_marker
 
 
 def scenario_with_profile(f: Finding) -> dict[str, Any]:
@@ -35,27 +35,22 @@ def finding_record(f: Finding) -> dict[str, Any]:
 
 
 def write_finding(f: Finding, out: Path) -> Path:
-    """Write the finding to folder `out` (replaced if present). Returns the scenario path."""
+    """Write the finding to folder `out`, replacing only an earlier finding (sim/outputs.py).
+    Returns the scenario path."""
     header = (f"Found by `kvsim fuzz --profile {f.profile} --seed {f.seed}` "
               f"(shrunk after {f.examples} examples).\n"
               f"{f.hit.invariant}: {f.hit.message}\n"
               f"Reproduce: {repro_command(out, f.profile)}")
     out = out.absolute()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    tmp = temp_path(out)
+    shutil.rmtree(tmp, ignore_errors=True)  # our own pid's: a leftover of a dead namesake
     try:
+        tmp.mkdir()
         (tmp / "scenario.toml").write_text(dumps(scenario_with_profile(f), header))
         (tmp / "finding.json").write_text(json.dumps(finding_record(f), indent=2) + "\n")
-        if out.exists():
-            # os.replace cannot replace a non-empty folder: move the old one aside first.
-            old = out.with_name(f".{out.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
+        write_marker(tmp, Kind.FUZZ)
+        publish(tmp, out, Kind.FUZZ)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out / "scenario.toml"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import multiprocessing
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -16,6 +17,15 @@ import pyarrow.parquet as pq
 
 from sim import interrupt
 from sim.errors import KvsimError, ScenarioError
+from sim.outputs import (
+    Kind,
+    OutputError,
+    is_output,
+    publish,
+    remove_stale,
+    temp_path,
+    write_marker,
+)
 from sim.sweep.spec import SweepSpec, set_path
 from sim.sweep.worker import PointTask, run_point
 
@@ -88,11 +98,18 @@ def _local(tasks: list[PointTask], workers: int) -> Iterator[tuple[PointTask, di
             yield futs[f], f.result()
 
 
-def _ray(tasks: list[PointTask], address: str) -> Iterator[tuple[PointTask, dict]]:
+def _need_ray() -> None:
+    """Before the sweep folder is made: a missing Ray must leave nothing behind."""
     try:
-        import ray  # type: ignore[import-not-found,unused-ignore]
+        import ray  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
     except ImportError:
         raise KvsimError("--address needs Ray: pip install 'kvsim[ray]'") from None
+
+
+def _ray(tasks: list[PointTask], address: str) -> Iterator[tuple[PointTask, dict]]:
+    _need_ray()
+    import ray  # type: ignore[import-not-found,unused-ignore]
+
     ray.init(address=address, ignore_reinit_error=True)
     remote = ray.remote(run_point)
     pending = {remote.remote(t): t for t in tasks}
@@ -103,12 +120,55 @@ def _ray(tasks: list[PointTask], address: str) -> Iterator[tuple[PointTask, dict
 
 
 def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
-              address: str | None = None, on_done: Callable[[int, int], None] | None = None
-              ) -> SweepOutcome:
-    """Run every grid point (cached ones are free), write results.parquet and sweep.png."""
+              address: str | None = None, on_done: Callable[[int, int], None] | None = None,
+              fresh: bool = False) -> SweepOutcome:
+    """Run every grid point (cached ones are free), write results.parquet and sweep.png.
+
+    `out` is created, or resumed when it is a sweep folder already; `fresh` over an old sweep
+    builds a new one in a temporary sibling that replaces it at the end. Any other non-empty
+    folder is refused (OutputError), and a sweep that fails validation writes nothing."""
     t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    tasks = make_tasks(spec, base_path, out)
+    work = temp_path(out) if fresh and out.exists() else out
+    tasks = make_tasks(spec, base_path, work)
+    if address:
+        _need_ray()
+    created = _open(work, out)
+    try:
+        table, computed, cached = _collect(tasks, workers, address, on_done)
+        _write_atomic(table, work / "results.parquet")
+        from sim.sweep.plot import plot_sweep
+
+        png = plot_sweep(table, spec, work / "sweep.png")
+        if work != out:
+            publish(work, out, Kind.SWEEP)
+            png = out / png.name if png is not None else None
+    except BaseException:
+        if work != out:
+            shutil.rmtree(work, ignore_errors=True)
+        elif created and not any((out / "cache").glob("*/*.json")):
+            shutil.rmtree(out, ignore_errors=True)  # nothing done: leave nothing behind
+        raise
+    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png)
+
+
+def _open(work: Path, out: Path) -> bool:
+    """Make `work` ready for the sweep's files; True when this call created it."""
+    remove_stale(out)  # a killed forced sweep's temporary folder
+    if work != out:
+        shutil.rmtree(work, ignore_errors=True)  # our own pid's: a dead namesake's leftover
+    elif out.is_dir() and any(out.iterdir()):
+        if not is_output(out, Kind.SWEEP):
+            raise OutputError(f"{out}: exists and is not a kvsim sweep folder; "
+                              "choose another --out")
+        return False
+    created = not out.exists()
+    work.mkdir(parents=True, exist_ok=True)
+    write_marker(work, Kind.SWEEP)
+    return created
+
+
+def _collect(tasks: list[PointTask], workers: int, address: str | None,
+             on_done: Callable[[int, int], None] | None) -> tuple[pa.Table, int, int]:
     workers = workers or min(len(tasks), os.cpu_count() or 1)
     it = _ray(tasks, address) if address else _local(tasks, workers)
     rows: list[tuple[int, dict]] = []
@@ -119,11 +179,7 @@ def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
         if on_done:
             on_done(len(rows), len(tasks))
     table = pa.Table.from_pylist([r for _, r in sorted(rows, key=lambda r: r[0])])
-    _write_atomic(table, out / "results.parquet")
-    from sim.sweep.plot import plot_sweep
-
-    png = plot_sweep(table, spec, out / "sweep.png")
-    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png)
+    return table, computed, cached
 
 
 def _write_atomic(table: pa.Table, path: Path) -> None:

@@ -10,9 +10,7 @@ what is stored (STORED).
 from __future__ import annotations
 
 import functools
-import glob
 import json
-import os
 import queue
 import shutil
 import threading
@@ -25,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim import interrupt
+from sim.outputs import Kind, publish, remove_stale, temp_path
 from sim.trace.delta import RowEncoder
 from sim.trace.digest import TableDigest, combine
 from sim.trace.records import (
@@ -89,32 +88,10 @@ def _compression(schema: pa.Schema) -> dict[str, str]:
             for f in schema}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_stale(out: Path) -> list[Path]:
-    """Remove `out.tmp-<pid>` left by killed writers (SIGKILL runs no cleanup); a live pid's
-    directory is another run in progress and is kept."""
-    gone = []
-    for p in out.parent.glob(f"{glob.escape(out.name)}.tmp-*"):
-        pid = p.name.rpartition(".tmp-")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)) and p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-            gone.append(p)
-    return gone
-
-
 class TraceWriter:
     def __init__(self, out: Path) -> None:
         self.out = Path(out)
-        self.tmp = self.out.with_name(f"{self.out.name}.tmp-{os.getpid()}")
+        self.tmp = temp_path(self.out)
         if self.tmp.exists():
             shutil.rmtree(self.tmp)
         remove_stale(self.out)
@@ -250,9 +227,7 @@ class TraceWriter:
                         digest=combine([self.digests[n].hexdigest() for n in TABLES]),
                         violations=self.counts["violations"], complete=True)
         (self.tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
-        if self.out.exists():
-            shutil.rmtree(self.out)
-        os.replace(self.tmp, self.out)
+        publish(self.tmp, self.out, Kind.TRACE)  # never removes what is not an old trace
         return self.out
 
     def abort(self) -> None:

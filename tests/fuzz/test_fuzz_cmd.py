@@ -47,8 +47,8 @@ def test_finding_is_written_and_reproduces(tmp_path: Path) -> None:
     # Resume: the same --db holds the shrunk failure, and a rerun finds it again.
     assert any(p.is_file() for p in db.rglob("*"))
     res2 = runner.invoke(app, ["fuzz", "--profile", profile, "--budget", "30", "--out",
-                               str(out), "--db", str(db), "--baseline", "trtllm-post-17264",
-                               "--ignore", "hang", "--json"])
+                               str(out), "--force", "--db", str(db),
+                               "--baseline", "trtllm-post-17264", "--ignore", "hang", "--json"])
     assert res2.exit_code == 1
     assert json.loads(res2.output)["finding"]["found_after_s"] < 1.0
 

@@ -39,7 +39,7 @@ def _kvsim(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _start_and_kill(scenario: Path, out: Path, sig: int) -> tuple[subprocess.Popen[str], Path]:
-    p = subprocess.Popen(KVSIM + ["run", str(scenario), "--out", str(out)], text=True,
+    p = subprocess.Popen(KVSIM + ["run", str(scenario), "--out", str(out), "--force"], text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     tmp = out.with_name(f"{out.name}.tmp-{p.pid}")
     deadline = time.monotonic() + 60
@@ -91,7 +91,7 @@ def test_sigkill_leftover_refused_then_cleaned(tmp_path: Path, prior) -> None:
     assert _kvsim("check", str(out)).returncode == 0
     r = _kvsim("check", str(tmp))
     assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout
-    assert _kvsim("run", str(prior[0]), "--out", str(out)).returncode == 0
+    assert _kvsim("run", str(prior[0]), "--out", str(out), "--force").returncode == 0
     assert not tmp.exists()  # the next run to DIR removed the dead pid's leftover
 
 

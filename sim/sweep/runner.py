@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim import interrupt
-from sim.errors import KvsimError, ScenarioError
+from sim.errors import ScenarioError
+from sim.sweep.cluster import connect, run_points
 from sim.sweep.spec import SweepSpec, set_path
 from sim.sweep.worker import PointTask, run_point
 
@@ -55,6 +56,7 @@ def make_tasks(spec: SweepSpec, base_path: Path, out: Path) -> list[PointTask]:
     from sim.api import parse_scenario
 
     base, base_dir = _base(base_path)
+    cache = out.resolve() / "cache"  # absolute: a Ray worker's working directory is not ours
     tasks = []
     for i, values in enumerate(spec.points()):
         sc = _deep(base)
@@ -67,7 +69,7 @@ def make_tasks(spec: SweepSpec, base_path: Path, out: Path) -> list[PointTask]:
             set_path(probe, spec.search.param, spec.search.lo, str(base_path))
             parse_scenario(probe, f"{base_path} with {spec.search.param}")
         search = spec.search.model_dump() if spec.search is not None else None
-        tasks.append(PointTask(i, sc, str(base_dir), str(out / "cache"), _version(),
+        tasks.append(PointTask(i, sc, str(base_dir), str(cache), _version(),
                                spec.slo.model_dump(), search, values))
     return tasks
 
@@ -88,42 +90,40 @@ def _local(tasks: list[PointTask], workers: int) -> Iterator[tuple[PointTask, di
             yield futs[f], f.result()
 
 
-def _ray(tasks: list[PointTask], address: str) -> Iterator[tuple[PointTask, dict]]:
-    try:
-        import ray  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        raise KvsimError("--address needs Ray: pip install 'kvsim[ray]'") from None
-    ray.init(address=address, ignore_reinit_error=True)
-    remote = ray.remote(run_point)
-    pending = {remote.remote(t): t for t in tasks}
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        for ref in done:
-            yield pending.pop(ref), ray.get(ref)
-
-
 def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
               address: str | None = None, on_done: Callable[[int, int], None] | None = None
               ) -> SweepOutcome:
     """Run every grid point (cached ones are free), write results.parquet and sweep.png."""
     t0 = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
     tasks = make_tasks(spec, base_path, out)
-    workers = workers or min(len(tasks), os.cpu_count() or 1)
-    it = _ray(tasks, address) if address else _local(tasks, workers)
+    ray = connect(address) if address else None  # before anything is written
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        workers = workers or min(len(tasks), os.cpu_count() or 1)
+        it = run_points(ray, tasks) if ray is not None else _local(tasks, workers)
+        table, computed, cached = _collect(it, len(tasks), on_done)
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    _write_atomic(table, out / "results.parquet")
+    from sim.sweep.plot import plot_sweep
+
+    png = plot_sweep(table, spec, out / "sweep.png")
+    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png)
+
+
+def _collect(it: Iterator[tuple[PointTask, dict]], total: int,
+             on_done: Callable[[int, int], None] | None) -> tuple[pa.Table, int, int]:
+    """The results table in grid order, and how many simulations were run and cached."""
     rows: list[tuple[int, dict]] = []
     computed = cached = 0
     for task, m in it:
         computed, cached = computed + m.pop("_computed"), cached + m.pop("_cached")
         rows.append((task.index, {f"grid.{k}": v for k, v in task.values.items()} | m))
         if on_done:
-            on_done(len(rows), len(tasks))
+            on_done(len(rows), total)
     table = pa.Table.from_pylist([r for _, r in sorted(rows, key=lambda r: r[0])])
-    _write_atomic(table, out / "results.parquet")
-    from sim.sweep.plot import plot_sweep
-
-    png = plot_sweep(table, spec, out / "sweep.png")
-    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png)
+    return table, computed, cached
 
 
 def _write_atomic(table: pa.Table, path: Path) -> None:

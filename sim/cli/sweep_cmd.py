@@ -13,7 +13,11 @@ from sim.errors import KvsimError
 def sweep(sweep_file: Annotated[Path, typer.Argument(help="sweep TOML")],
           out: Annotated[Path, typer.Option("--out", "-o", help="results folder")],
           workers: Annotated[int, typer.Option(help="local processes (0: one per CPU)")] = 0,
-          address: Annotated[str | None, typer.Option(help="Ray cluster address")] = None
+          address: Annotated[str | None, typer.Option(
+              help="a running Ray cluster's HOST:PORT: run the points there")] = None,
+          synthetic_workload: Annotated[bool, typer.Option(
+              "--synthetic-workload", help="run the base scenario's workload.trace.fallback "
+              "(a synthetic stand-in) instead of its trace file")] = False
           ) -> None:
     """Run every grid point; write DIR/results.parquet (one row per point) and DIR/sweep.png."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -26,7 +30,8 @@ def sweep(sweep_file: Annotated[Path, typer.Argument(help="sweep TOML")],
                       MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:
             tid = bar.add_task("grid points", total=len(spec.points()))
             res = run_sweep(spec, base, out, workers=workers, address=address,
-                            on_done=lambda done, _: bar.update(tid, completed=done))
+                            on_done=lambda done, _: bar.update(tid, completed=done),
+                            synthetic_workload=synthetic_workload)
     except KvsimError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None

@@ -51,9 +51,14 @@ def _base(path: Path) -> tuple[dict, Path]:
     return d, Path(base_dir)
 
 
-def make_tasks(spec: SweepSpec, base_path: Path, out: Path) -> list[PointTask]:
-    """One validated task per grid point. Raises ScenarioError naming the grid key at fault."""
+def make_tasks(spec: SweepSpec, base_path: Path, out: Path, synthetic_workload: bool = False
+               ) -> list[PointTask]:
+    """One validated task per grid point. Raises ScenarioError naming the grid key at fault.
+
+    `synthetic_workload`: each point runs its `workload.trace.fallback` in place of the trace
+    (its own scenario then, so the cache keeps the two apart)."""
     from sim.api import parse_scenario
+    from sim.workload import stand_in
 
     base, base_dir = _base(base_path)
     cache = out.resolve() / "cache"  # absolute: a Ray worker's working directory is not ours
@@ -63,7 +68,9 @@ def make_tasks(spec: SweepSpec, base_path: Path, out: Path) -> list[PointTask]:
         for k, v in values.items():
             set_path(sc, k, v, str(base_path))
         where = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        parse_scenario(sc, f"{base_path} with {where or 'no grid'}")
+        parsed = parse_scenario(sc, f"{base_path} with {where or 'no grid'}")
+        if synthetic_workload:
+            sc["workload"] = stand_in(parsed.workload).model_dump(mode="json")
         if spec.search is not None:
             probe = _deep(sc)
             set_path(probe, spec.search.param, spec.search.lo, str(base_path))
@@ -91,11 +98,11 @@ def _local(tasks: list[PointTask], workers: int) -> Iterator[tuple[PointTask, di
 
 
 def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
-              address: str | None = None, on_done: Callable[[int, int], None] | None = None
-              ) -> SweepOutcome:
+              address: str | None = None, on_done: Callable[[int, int], None] | None = None,
+              synthetic_workload: bool = False) -> SweepOutcome:
     """Run every grid point (cached ones are free), write results.parquet and sweep.png."""
     t0 = time.perf_counter()
-    tasks = make_tasks(spec, base_path, out)
+    tasks = make_tasks(spec, base_path, out, synthetic_workload)
     ray = connect(address) if address else None  # before anything is written
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -139,8 +146,10 @@ def _write_atomic(table: pa.Table, path: Path) -> None:
 
 
 def sweep(base: str | Path, grid: dict, out: str | Path, *, slo: dict | None = None,
-          search: dict | None = None, workers: int = 0) -> pa.Table:
+          search: dict | None = None, workers: int = 0,
+          synthetic_workload: bool = False) -> pa.Table:
     """`run_sweep` without a sweep file (notebooks): returns the results table."""
     spec = SweepSpec.model_validate({"base": str(base), "grid": grid, "slo": slo or {},
                                      "search": search})
-    return run_sweep(spec, Path(base).resolve(), Path(out), workers=workers).results
+    return run_sweep(spec, Path(base).resolve(), Path(out), workers=workers,
+                     synthetic_workload=synthetic_workload).results

@@ -39,6 +39,8 @@ def sweep(sweep_file: Annotated[Path, typer.Argument(help="sweep TOML")],
                f"{res.computed} simulations run, {res.cached} cached, {res.seconds:.1f} s")
     if res.plot is not None:
         typer.echo(f"{res.plot}")
+    for note in res.notes:
+        typer.echo(note, err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -28,6 +28,7 @@ class SweepOutcome:
     cached: int  # simulations read from the cache
     seconds: float
     plot: Path | None
+    notes: list[str]  # what the sweep left out, and why (the CLI prints them on stderr)
 
 
 def _version() -> str:
@@ -113,10 +114,11 @@ def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
         if ray is not None:
             ray.shutdown()
     _write_atomic(table, out / "results.parquet")
-    from sim.sweep.plot import plot_sweep
+    from sim.sweep.plot import NO_PLOT, plot_sweep
 
     png = plot_sweep(table, spec, out / "sweep.png")
-    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png)
+    notes = [NO_PLOT] if png is None else []
+    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png, notes)
 
 
 def _collect(it: Iterator[tuple[PointTask, dict]], total: int,

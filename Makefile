@@ -4,7 +4,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # torch==2.13.0 resolves to the CPU build on these machines; the CPU replay backend needs it.
-EXTRAS := dev,cpu-ref
+# ray: the sweep tests start a real local Ray head node (kvsim sweep --address).
+EXTRAS := dev,cpu-ref,ray
 
 .PHONY: run test lint bench bench-sim bench-memory bench-fuzz bench-replay-host bench-cpu-replay bench-gpu setup clean
 

@@ -13,8 +13,9 @@
 # %% [markdown]
 # # Prefix reuse on the Mooncake conversation trace
 # `scenarios/mooncake.toml` replays the first rows of the Mooncake trace from `../shared/traces`
-# (its hash ids become shared token content); where the trace is absent it falls back to a
-# synthetic workload with shared prefixes. Reuse off vs on: hit rate, TTFT and KV.
+# (its hash ids become shared token content); where the trace is absent it runs the scenario's
+# synthetic stand-in with shared prefixes (`synthetic_workload`). Reuse off vs on: hit rate,
+# TTFT and KV.
 
 # %%
 from pathlib import Path
@@ -28,7 +29,8 @@ BASE = ROOT / "scenarios" / "mooncake.toml"
 trace = ROOT.parent / "shared" / "traces" / "mooncake" / "conversation_trace.jsonl"
 print("Mooncake trace present:", trace.exists())
 grid = {"workload.trace.limit": [60], "cache.reuse": ["off", "full", "partial-copy"]}
-res = sweep(BASE, grid, ROOT / "runs" / "notebooks" / "reuse").to_pandas()
+res = sweep(BASE, grid, ROOT / "runs" / "notebooks" / "reuse",
+            synthetic_workload=not trace.exists()).to_pandas()
 res[["grid.cache.reuse", "prefix_hit_rate", "ttft_p50_ms", "ttft_p99_ms", "kv_blocks_mean",
      "output_tps"]]
 

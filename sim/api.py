@@ -23,7 +23,8 @@ from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
 from sim.trace.writer import TraceWriter, from_numpy, to_arrow
-from sim.workload import RequestSpec, iter_workload
+from sim.workload import RequestSpec, open_workload, stand_in
+from sim.workload.source import stood_in
 
 __all__ = ["RunResult", "load_scenario", "parse_scenario", "run", "switches_for"]
 
@@ -46,6 +47,7 @@ class RunResult:
     kv_series: pa.Table
     trace_dir: Path | None = None
     switches: Switches = field(default_factory=Switches)
+    workload: dict = field(default_factory=dict)  # where the requests came from (source.py)
 
 
 def switches_for(sc: Scenario, profile: str | None = None,
@@ -163,9 +165,10 @@ class _Sink:
                 out.extend(ck.block_event(e))
 
 
-def _specs(sc: Scenario, base_dir: Path | None) -> Iterator[RequestSpec]:
+def _specs(sc: Scenario, base_dir: Path | None) -> tuple[Iterator[RequestSpec], dict]:
+    """The requests and the record of their source (sim/workload/source.py)."""
     rng = np.random.default_rng(np.random.SeedSequence(sc.seed).spawn(4)[3])
-    return iter_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
+    return open_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
                          base_dir=base_dir)
 
 
@@ -175,10 +178,10 @@ def _worded(sc: Scenario, sw: Switches, model: dict, base_dir: Path | None, fast
     StepChecker, the oracle, for their messages. A run that violates nothing never gets here."""
     sink = _Sink(sc, None, StepChecker(model), None, collect=False)
     if fast:
-        FastEngine(sc, sw, _specs(sc, base_dir), sink.on_chunk, detail=True).run()
+        FastEngine(sc, sw, _specs(sc, base_dir)[0], sink.on_chunk, detail=True).run()
         sink.finish_chunks()
     else:
-        Engine(sc, sw, _specs(sc, base_dir), sink, record_events=True, detail=True).run()
+        Engine(sc, sw, _specs(sc, base_dir)[0], sink, record_events=True, detail=True).run()
     assert sink.checker is not None
     out = sink.violations + sink.checker.finish()
     if [(v.invariant, v.step, v.request) for v in out] != found:
@@ -207,17 +210,24 @@ def _model_info(sc: Scenario, sw: Switches) -> dict:
 def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: bool = False,
         profile: str | None = None, switches: dict[str, object] | None = None,
         base_dir: Path | None = None, on_progress: Callable[[int], None] | None = None,
-        collect: bool = True, engine: str = "auto") -> RunResult:
+        collect: bool = True, engine: str = "auto", synthetic_workload: bool = False
+        ) -> RunResult:
     """Simulate `sc`; write a trace to `out` if given; check invariants online if `check`.
 
     `collect=False` keeps no per-step/per-request tables in memory (RunResult's tables are
     empty; the summary and the trace are complete). `engine`: "reference" (sim/engine.py),
     "fast" (sim/fast: compiled, a subset of scenarios, the same trace) or "auto" (fast where
-    it supports the scenario)."""
+    it supports the scenario). `synthetic_workload`: run a trace scenario's
+    `workload.trace.fallback` instead of its trace file (the manifest says so)."""
+    trace = sc.workload.trace
+    if synthetic_workload:
+        sc = sc.model_copy(update={"workload": stand_in(sc.workload)})
     name, sw = switches_for(sc, profile, switches)
     fast = _pick_engine(engine, sc, sw)
     model = _model_info(sc, sw)
-    specs = _specs(sc, base_dir)
+    specs, source = _specs(sc, base_dir)
+    if synthetic_workload and trace is not None:
+        source = stood_in(source, trace)
     writer = None
     try:
         writer = TraceWriter(out) if out is not None else None
@@ -248,7 +258,7 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
         if writer is not None:
             manifest = {"kvsim_version": kvsim_version(), "scenario": sc.model_dump(mode="json"),
                         "profile": {"name": name, "switches": _sw_dict(sw)}, "seed": sc.seed,
-                        "model": model, "summary": summary}
+                        "model": model, "summary": summary, "workload": source}
             trace_dir = writer.close(violations, manifest)
     except BaseException:
         if writer is not None:
@@ -257,7 +267,7 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
     return RunResult(summary, violations, _table("steps", sink.steps),
                      _table("requests", [ROW_OF["requests"](r) for r in
                                          sorted(sink.requests, key=lambda x: x.request)]),
-                     _kv_table(sink.kv), trace_dir, sw)
+                     _kv_table(sink.kv), trace_dir, sw, source)
 
 
 _RANK = {inv: i for i, inv in enumerate(("I19", "LIVENESS") + LAUNCH_ORDER + ("I17", "I18"))}

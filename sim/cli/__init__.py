@@ -14,19 +14,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# Order is the order of `kvsim --help`. A module that is missing (an optional part not built
-# yet) is skipped so the rest of the CLI still works.
+# Order is the order of `kvsim --help`. Every module is part of kvsim: one that fails to
+# import is a broken install, not a command to leave out of --help unannounced.
 _COMMANDS = ("run", "check", "profiles", "replay", "fuzz", "sweep", "timeline", "metrics",
              "calibrate")
 
 for _name in _COMMANDS:
-    try:
-        _mod = importlib.import_module(f"sim.cli.{_name}_cmd")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"sim.cli.{_name}_cmd":
-            raise
-        continue
-    _mod.register(app)
+    importlib.import_module(f"sim.cli.{_name}_cmd").register(app)
 
 
 def main() -> None:

@@ -33,6 +33,9 @@ def run_cmd(
         "auto", "--engine", help="auto: the compiled fast engine where it models the scenario "
         "(no MTP, no overlap, no reuse, simple cost), else the reference engine; fast: "
         "require it; reference: the pure-Python engine (the oracle; same trace)."),
+    synthetic_workload: bool = typer.Option(
+        False, "--synthetic-workload", help="Run the scenario's workload.trace.fallback (a "
+        "synthetic stand-in) instead of its trace file; the manifest and summary say so."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     max_violations: int = typer.Option(10, help="Violations to print."),
 ) -> None:
@@ -61,13 +64,22 @@ def run_cmd(
             task = bar.add_task(f"simulating {scenario.name}", total=None)
             res = run(sc, out=trace, check=not no_check, profile=profile, switches=overrides,
                       base_dir=base, on_progress=lambda k: bar.update(task, completed=k),
-                      engine=engine, collect=False)  # summary, violations, trace: no tables
+                      engine=engine, collect=False,  # summary, violations, trace: no tables
+                      synthetic_workload=synthetic_workload)
     if as_json:
-        console.print_json(json.dumps({"summary": res.summary,
+        console.print_json(json.dumps({"summary": res.summary | {"workload": res.workload},
                                        "violations": [v.message for v in res.violations]}))
     else:
         _print(res, profile or sc.profile, max_violations)
     raise typer.Exit(1 if res.violations else 0)
+
+
+def _source(w: dict) -> str:
+    if w["source"] == "trace":
+        return f"{w['format']} trace {w['path']} ({w['rows']} rows)"
+    if "stand_in_for" in w:
+        return f"synthetic, standing in for {w['stand_in_for']['path']}"
+    return "synthetic" if w["source"] == "synthetic" else f"{w['requests']} explicit requests"
 
 
 def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-def]
@@ -84,6 +96,7 @@ def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-de
         ("preemptions", f"{s['preemptions']}"),
         ("simulated time", f"{s['sim_time_ns'] / 1e9:.3f} s"),
         ("violations", f"{s['violations']}"),
+        ("workload", _source(res.workload)),
     ]
     if res.trace_dir is not None:
         rows.append(("trace", str(res.trace_dir)))

@@ -1,5 +1,5 @@
 """DIR/sweep.png: the sweep's headline metric against its first grid key, one line per combination
-of the other keys. Skipped (None) when matplotlib is not installed."""
+of the other keys. Skipped (None) when matplotlib is not installed: the sweep then says NO_PLOT."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from sim.sweep.spec import SweepSpec
+
+NO_PLOT = "no plot: matplotlib is not installed (pip install 'kvsim[plot]')"
 
 
 def headline(spec: SweepSpec) -> str:

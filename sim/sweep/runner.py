@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sim import interrupt
-from sim.errors import KvsimError, ScenarioError
+from sim.errors import ScenarioError
 from sim.outputs import (
     Kind,
     OutputError,
@@ -26,6 +26,7 @@ from sim.outputs import (
     temp_path,
     write_marker,
 )
+from sim.sweep.cluster import connect, run_points
 from sim.sweep.spec import SweepSpec, set_path
 from sim.sweep.worker import PointTask, run_point
 
@@ -37,6 +38,7 @@ class SweepOutcome:
     cached: int  # simulations read from the cache
     seconds: float
     plot: Path | None
+    notes: list[str]  # what the sweep left out, and why (the CLI prints them on stderr)
 
 
 def _version() -> str:
@@ -60,24 +62,32 @@ def _base(path: Path) -> tuple[dict, Path]:
     return d, Path(base_dir)
 
 
-def make_tasks(spec: SweepSpec, base_path: Path, out: Path) -> list[PointTask]:
-    """One validated task per grid point. Raises ScenarioError naming the grid key at fault."""
+def make_tasks(spec: SweepSpec, base_path: Path, out: Path, synthetic_workload: bool = False
+               ) -> list[PointTask]:
+    """One validated task per grid point. Raises ScenarioError naming the grid key at fault.
+
+    `synthetic_workload`: each point runs its `workload.trace.fallback` in place of the trace
+    (its own scenario then, so the cache keeps the two apart)."""
     from sim.api import parse_scenario
+    from sim.workload import stand_in
 
     base, base_dir = _base(base_path)
+    cache = out.resolve() / "cache"  # absolute: a Ray worker's working directory is not ours
     tasks = []
     for i, values in enumerate(spec.points()):
         sc = _deep(base)
         for k, v in values.items():
             set_path(sc, k, v, str(base_path))
         where = ", ".join(f"{k}={v!r}" for k, v in values.items())
-        parse_scenario(sc, f"{base_path} with {where or 'no grid'}")
+        parsed = parse_scenario(sc, f"{base_path} with {where or 'no grid'}")
+        if synthetic_workload:
+            sc["workload"] = stand_in(parsed.workload).model_dump(mode="json")
         if spec.search is not None:
             probe = _deep(sc)
             set_path(probe, spec.search.param, spec.search.lo, str(base_path))
             parse_scenario(probe, f"{base_path} with {spec.search.param}")
         search = spec.search.model_dump() if spec.search is not None else None
-        tasks.append(PointTask(i, sc, str(base_dir), str(out / "cache"), _version(),
+        tasks.append(PointTask(i, sc, str(base_dir), str(cache), _version(),
                                spec.slo.model_dump(), search, values))
     return tasks
 
@@ -98,30 +108,9 @@ def _local(tasks: list[PointTask], workers: int) -> Iterator[tuple[PointTask, di
             yield futs[f], f.result()
 
 
-def _need_ray() -> None:
-    """Before the sweep folder is made: a missing Ray must leave nothing behind."""
-    try:
-        import ray  # type: ignore[import-not-found,unused-ignore]  # noqa: F401
-    except ImportError:
-        raise KvsimError("--address needs Ray: pip install 'kvsim[ray]'") from None
-
-
-def _ray(tasks: list[PointTask], address: str) -> Iterator[tuple[PointTask, dict]]:
-    _need_ray()
-    import ray  # type: ignore[import-not-found,unused-ignore]
-
-    ray.init(address=address, ignore_reinit_error=True)
-    remote = ray.remote(run_point)
-    pending = {remote.remote(t): t for t in tasks}
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        for ref in done:
-            yield pending.pop(ref), ray.get(ref)
-
-
 def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
               address: str | None = None, on_done: Callable[[int, int], None] | None = None,
-              fresh: bool = False) -> SweepOutcome:
+              fresh: bool = False, synthetic_workload: bool = False) -> SweepOutcome:
     """Run every grid point (cached ones are free), write results.parquet and sweep.png.
 
     `out` is created, or resumed when it is a sweep folder already; `fresh` over an old sweep
@@ -129,26 +118,32 @@ def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
     folder is refused (OutputError), and a sweep that fails validation writes nothing."""
     t0 = time.perf_counter()
     work = temp_path(out) if fresh and out.exists() else out
-    tasks = make_tasks(spec, base_path, work)
-    if address:
-        _need_ray()
-    created = _open(work, out)
+    tasks = make_tasks(spec, base_path, work, synthetic_workload)
+    ray = connect(address) if address else None  # before anything is written
     try:
-        table, computed, cached = _collect(tasks, workers, address, on_done)
-        _write_atomic(table, work / "results.parquet")
-        from sim.sweep.plot import plot_sweep
+        created = _open(work, out)
+        try:
+            workers = workers or min(len(tasks), os.cpu_count() or 1)
+            it = run_points(ray, tasks) if ray is not None else _local(tasks, workers)
+            table, computed, cached = _collect(it, len(tasks), on_done)
+            _write_atomic(table, work / "results.parquet")
+            from sim.sweep.plot import NO_PLOT, plot_sweep
 
-        png = plot_sweep(table, spec, work / "sweep.png")
-        if work != out:
-            publish(work, out, Kind.SWEEP)
-            png = out / png.name if png is not None else None
-    except BaseException:
-        if work != out:
-            shutil.rmtree(work, ignore_errors=True)
-        elif created and not any((out / "cache").glob("*/*.json")):
-            shutil.rmtree(out, ignore_errors=True)  # nothing done: leave nothing behind
-        raise
-    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png)
+            png = plot_sweep(table, spec, work / "sweep.png")
+            if work != out:
+                publish(work, out, Kind.SWEEP)
+                png = out / png.name if png is not None else None
+        except BaseException:
+            if work != out:
+                shutil.rmtree(work, ignore_errors=True)
+            elif created and not any((out / "cache").glob("*/*.json")):
+                shutil.rmtree(out, ignore_errors=True)  # nothing done: leave nothing behind
+            raise
+    finally:
+        if ray is not None:
+            ray.shutdown()
+    notes = [NO_PLOT] if png is None else []
+    return SweepOutcome(table, computed, cached, time.perf_counter() - t0, png, notes)
 
 
 def _open(work: Path, out: Path) -> bool:
@@ -167,17 +162,16 @@ def _open(work: Path, out: Path) -> bool:
     return created
 
 
-def _collect(tasks: list[PointTask], workers: int, address: str | None,
+def _collect(it: Iterator[tuple[PointTask, dict]], total: int,
              on_done: Callable[[int, int], None] | None) -> tuple[pa.Table, int, int]:
-    workers = workers or min(len(tasks), os.cpu_count() or 1)
-    it = _ray(tasks, address) if address else _local(tasks, workers)
+    """The results table in grid order, and how many simulations were run and cached."""
     rows: list[tuple[int, dict]] = []
     computed = cached = 0
     for task, m in it:
         computed, cached = computed + m.pop("_computed"), cached + m.pop("_cached")
         rows.append((task.index, {f"grid.{k}": v for k, v in task.values.items()} | m))
         if on_done:
-            on_done(len(rows), len(tasks))
+            on_done(len(rows), total)
     table = pa.Table.from_pylist([r for _, r in sorted(rows, key=lambda r: r[0])])
     return table, computed, cached
 
@@ -195,8 +189,10 @@ def _write_atomic(table: pa.Table, path: Path) -> None:
 
 
 def sweep(base: str | Path, grid: dict, out: str | Path, *, slo: dict | None = None,
-          search: dict | None = None, workers: int = 0) -> pa.Table:
+          search: dict | None = None, workers: int = 0,
+          synthetic_workload: bool = False) -> pa.Table:
     """`run_sweep` without a sweep file (notebooks): returns the results table."""
     spec = SweepSpec.model_validate({"base": str(base), "grid": grid, "slo": slo or {},
                                      "search": search})
-    return run_sweep(spec, Path(base).resolve(), Path(out), workers=workers).results
+    return run_sweep(spec, Path(base).resolve(), Path(out), workers=workers,
+                     synthetic_workload=synthetic_workload).results

@@ -38,11 +38,10 @@ def simulate(sc: Scenario, base_dir: str, slo: Slo) -> dict:
 
     res = run(sc, check=False, base_dir=Path(base_dir))
     m = compute_metrics(res.requests, res.steps, res.kv_series,
-                        num_blocks=int(res.summary.get("num_blocks", sc.cache.num_blocks)),
+                        num_blocks=int(res.summary["num_blocks"]),
                         slo_ttft_ms=slo.ttft_p99_ms, slo_tpot_ms=slo.tpot_p99_ms)
-    return dict(m) | {"sim_time_s": res.summary.get("sim_time_ns", 0) / 1e9,
-                      "steps": res.summary.get("steps", 0),
-                      "violations": res.summary.get("violations", 0)}
+    return dict(m) | {"sim_time_s": res.summary["sim_time_ns"] / 1e9,
+                      "steps": res.summary["steps"], "violations": res.summary["violations"]}
 
 
 class _Runner:

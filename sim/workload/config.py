@@ -126,8 +126,9 @@ class SyntheticConfig(BaseModel):
 
 class TraceConfig(BaseModel):
     """A public trace file. Relative `path`s resolve against the scenario's folder, then the repo
-    root. `time_scale` multiplies arrival times (0.5 = twice the rate). `fallback` is used where
-    the file is absent (the shared traces are not on every machine)."""
+    root. `time_scale` multiplies arrival times (0.5 = twice the rate). `fallback` is a synthetic
+    stand-in for machines without the shared traces: it runs only when asked for
+    (`kvsim run --synthetic-workload`); a missing file is an error otherwise."""
 
     model_config = _STRICT
     path: str = Field(min_length=1)

@@ -107,7 +107,12 @@ def _iter_mooncake(rows: TraceRows, vocab_size: int) -> Iterator[RequestSpec]:
 
 def iter_trace(cfg: TraceConfig, file: Path, rng: np.random.Generator) -> Iterator[RequestSpec]:
     """Requests of a trace file; rows are parsed (and errors raised) before the first yield."""
-    rows = read_trace(cfg, file)
+    return trace_requests(cfg, read_trace(cfg, file), rng)
+
+
+def trace_requests(cfg: TraceConfig, rows: TraceRows,
+                   rng: np.random.Generator) -> Iterator[RequestSpec]:
+    """Requests of rows read from a trace file."""
     if cfg.format == "mooncake":
         return _iter_mooncake(rows, cfg.vocab_size)
     n = len(rows.arrival_ns)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pyarrow.parquet as pq
 import pytest
 
@@ -165,3 +167,21 @@ def test_plot_leaves_the_matplotlib_backend_alone(tmp_path) -> None:
         assert (tmp_path / "s.png").stat().st_size > 0 and mpl.get_backend() == "svg"
     finally:
         mpl.use(before)
+
+
+@needs_api
+def test_without_matplotlib_the_sweep_says_no_plot(tmp_path, monkeypatch) -> None:
+    from typer.testing import CliRunner
+
+    from sim.cli import app
+    from sim.sweep.plot import NO_PLOT
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    write(tmp_path, '"overlap.enabled" = [true]')
+    r = CliRunner().invoke(app, ["sweep", str(tmp_path / "s.toml"), "--out",
+                                 str(tmp_path / "out"), "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    assert r.stderr.strip() == NO_PLOT == ("no plot: matplotlib is not installed "
+                                           "(pip install 'kvsim[plot]')")
+    assert "sweep.png" not in r.stdout and not (tmp_path / "out" / "sweep.png").exists()

@@ -1,7 +1,8 @@
-"""Trace sources: Azure 2023 CSV and Mooncake JSONL readers, path resolution, fallback, every
+"""Trace sources: Azure 2023 CSV and Mooncake JSONL readers, path resolution, the stand-in, every
 error path, and the real shared traces when this machine has them."""
 
 import calendar
+import hashlib
 import json
 import math
 import os
@@ -10,12 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.workload import RequestSpec, WorkloadConfig, WorkloadError, build_workload
+from sim.workload import (
+    RequestSpec,
+    SyntheticConfig,
+    WorkloadConfig,
+    WorkloadError,
+    build_workload,
+    open_workload,
+    stand_in,
+)
 from sim.workload.readers import azure_timestamp_ns
 from sim.workload.traces import REPO_ROOT, mooncake_tokens
 
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
+FALLBACK = {"num_requests": 5, "qps": 2.0, "prompt_len": {"kind": "constant", "value": 3},
+            "output_len": {"kind": "constant", "value": 2}}
 
 
 def trace(path: Path | str, fmt: str, **kw) -> WorkloadConfig:
@@ -215,18 +226,41 @@ def test_missing_file_without_fallback(tmp_path):
     with pytest.raises(WorkloadError) as e:
         load(trace("nope/trace.csv", "azure2023"), base_dir=tmp_path)
     msg = str(e.value)
-    assert "azure2023 trace 'nope/trace.csv' not found" in msg
+    assert msg.startswith("workload.trace.path: an existing azure2023 trace file (got "
+                          "'nope/trace.csv': no such file; tried ")
     assert str(tmp_path / "nope" / "trace.csv") in msg
-    assert "workload.trace.fallback is not set" in msg
 
 
-def test_missing_file_uses_fallback(tmp_path):
-    fallback = {"num_requests": 5, "qps": 2.0, "prompt_len": {"kind": "constant", "value": 3},
-                "output_len": {"kind": "constant", "value": 2}}
-    got = load(trace("absent.jsonl", "mooncake", fallback=fallback), seed=4, base_dir=tmp_path)
-    direct = load(WorkloadConfig.model_validate({"synthetic": fallback}), seed=4)
+def test_missing_file_is_an_error_even_with_a_fallback(tmp_path):
+    """The fallback once ran in the file's place unannounced: now only `stand_in` runs it."""
+    cfg = trace("absent.jsonl", "mooncake", fallback=FALLBACK)
+    with pytest.raises(WorkloadError, match=r"^workload.trace.path: an existing mooncake trace "
+                       r"file, or --synthetic-workload to run workload.trace.fallback instead "
+                       r"\(got 'absent.jsonl': no such file; tried "):
+        load(cfg, base_dir=tmp_path)
+
+
+def test_stand_in_is_the_fallback(tmp_path):
+    got = load(stand_in(trace("absent.jsonl", "mooncake", fallback=FALLBACK)), seed=4)
+    direct = load(WorkloadConfig.model_validate({"synthetic": FALLBACK}), seed=4)
     assert [(r.arrival_ns, r.prompt.tolist()) for r in got] == \
         [(r.arrival_ns, r.prompt.tolist()) for r in direct]
+    with pytest.raises(WorkloadError, match=r"\(got workload.trace without workload.trace.fall"):
+        stand_in(trace("absent.jsonl", "mooncake"))
+    with pytest.raises(WorkloadError, match=r"\(got workload.synthetic\)$"):
+        stand_in(WorkloadConfig.model_validate({"synthetic": FALLBACK}))
+
+
+def test_source_records(tmp_path):
+    f = write_azure(tmp_path, AZ_ROWS[:3])
+    cfg = trace(f, "azure2023", limit=2)
+    _, record = open_workload(cfg, np.random.default_rng(0), tokens_per_block=16)
+    assert record == {"source": "trace", "format": "azure2023", "path": str(f.resolve()),
+                      "sha256": hashlib.sha256(f.read_bytes()).hexdigest(), "rows": 2}
+    synthetic = WorkloadConfig.model_validate({"synthetic": FALLBACK})
+    _, record = open_workload(synthetic, np.random.default_rng(0), tokens_per_block=16)
+    assert record["source"] == "synthetic" and record["generator"]["qps"] == 2.0
+    assert SyntheticConfig.model_validate(record["generator"]) == synthetic.synthetic
 
 
 # ---- the real shared traces ------------------------------------------------------------------

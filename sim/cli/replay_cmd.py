@@ -28,6 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from sim.cli.common import err_console
+from sim.cli.options import check_tolerance, check_workers
 from sim.errors import KvsimError
 
 _FIRST_BAD = 10
@@ -70,6 +71,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] --watch {watch!r}: choose incremental or full")
             raise typer.Exit(2)
         try:
+            check_tolerance(tol)
+            check_workers(prepare_workers, "--prepare-workers")
             res = _run(trace_dir, backend, isolate, tol, watch, not eager, prepare_workers)
         except KvsimError as e:
             console.print(f"[red]error:[/red] {e}")

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sim.cli.common import console, err_console, parse_switches, user_errors
+from sim.cli.options import check_count, check_seed
 
 
 def register(app: typer.Typer) -> None:
@@ -38,6 +39,8 @@ def run_cmd(
     from sim.errors import ProfileError
 
     with user_errors():
+        check_seed(seed)
+        check_count(max_violations, "--max-violations")
         sc, base = load_scenario(scenario)
         if seed is not None:
             sc = sc.model_copy(update={"seed": seed})

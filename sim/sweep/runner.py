@@ -107,8 +107,8 @@ def run_sweep(spec: SweepSpec, base_path: Path, out: Path, *, workers: int = 0,
               ) -> SweepOutcome:
     """Run every grid point (cached ones are free), write results.parquet and sweep.png."""
     t0 = time.perf_counter()
+    tasks = make_tasks(spec, base_path, out)  # validates every point: nothing written yet
     out.mkdir(parents=True, exist_ok=True)
-    tasks = make_tasks(spec, base_path, out)
     workers = workers or min(len(tasks), os.cpu_count() or 1)
     it = _ray(tasks, address) if address else _local(tasks, workers)
     rows: list[tuple[int, dict]] = []

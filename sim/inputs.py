@@ -1,0 +1,162 @@
+"""Reading the files a user hands in (scenario and sweep TOML, calibration JSON, workload traces)
+without letting one of them take the machine: every reader here checks before it allocates.
+
+- Only a regular file is opened: a FIFO would block for ever, `/dev/zero` never ends, a folder
+  is a mistake. A symlink is followed and its target checked.
+- At most `max_bytes` are read (the file's size is checked first, the read is capped too, as a
+  file can grow between the two).
+- A parsed tree may nest at most `MAX_DEPTH` tables and arrays, and hold no integer wider than
+  64 bits. Deeper data would exhaust the parsers' recursion. Python refuses to convert an
+  integer of more than 4,300 digits, failing the parse without naming the field, so files are
+  parsed with that limit raised to `MAX_DIGITS` (cheap at that size) and the field is named.
+
+Each error is one line, `<file>: <field>: <what is allowed> (got ...)`, raised as the caller's
+`KvsimError` subclass so the CLI prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import sys
+import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sim.errors import KvsimError, ScenarioError
+
+MAX_DEPTH = 64  # tables and arrays inside each other; real files use four or five
+MAX_INT = 2**64  # |n| below this: every kvsim integer is an int64 or uint64
+MAX_DIGITS = 20_000  # digits of one integer the parsers convert; the file is refused past it
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a device"),
+          (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+
+
+def shown(value: Any) -> str:
+    """A value as an error message shows it: short, and never an error itself (Python raises
+    on `repr` of an integer of more than 4,300 digits)."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= MAX_INT:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def read_input(path: str | Path, what: str, max_bytes: int,
+               error: type[KvsimError] = ScenarioError) -> bytes:
+    """The bytes of the regular file `path`, at most `max_bytes` of them.
+
+    Raises `error` naming the file when it is missing, not a regular file, or too large.
+    """
+    p = Path(path)
+    try:
+        st = os.stat(p)
+    except OSError as e:
+        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
+        raise error(f"{p}: {what}: must be a regular file (got {kind})")
+    _check_size(p, what, st.st_size, max_bytes, error)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
+    _check_size(p, what, len(raw), max_bytes, error)
+    return raw
+
+
+def _check_size(p: Path, what: str, size: int, max_bytes: int,
+                error: type[KvsimError]) -> None:
+    if size > max_bytes:
+        raise error(f"{p}: {what}: size: at most {max_bytes} bytes (got {size} or more)")
+
+
+def decode_text(raw: bytes, p: str | Path, error: type[KvsimError] = ScenarioError) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{p}: not UTF-8 text (byte {e.start})") from None
+
+
+def load_toml(path: str | Path, what: str, max_bytes: int) -> dict[str, Any]:
+    """A TOML file as a dict, checked by `check_tree`. Raises ScenarioError."""
+    text = decode_text(read_input(path, what, max_bytes), path)
+    try:
+        with long_integers():
+            data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"{path}: invalid TOML: {e}") from None
+    except RecursionError:
+        raise _too_deep(path) from None
+    except ValueError as e:  # an integer past Python's int-string conversion limit
+        raise ScenarioError(f"{path}: integers: at most 64 bits ({_first_line(e)})") from None
+    check_tree(data, str(path))
+    return data
+
+
+def load_json(path: str | Path, what: str, max_bytes: int) -> Any:
+    """A JSON file, checked by `check_tree` with `finite=True` (NaN, Infinity and numbers that
+    overflow to infinity are refused). Raises ScenarioError."""
+    text = decode_text(read_input(path, what, max_bytes), path)
+    try:
+        with long_integers():
+            data = json.loads(text, parse_constant=_no_constant)
+    except json.JSONDecodeError as e:
+        raise ScenarioError(f"{path}: invalid JSON: {e}") from None
+    except RecursionError:
+        raise _too_deep(path) from None
+    except ValueError as e:
+        raise ScenarioError(f"{path}: numbers: at most 64-bit integers and finite floats "
+                            f"({_first_line(e)})") from None
+    check_tree(data, str(path), finite=True)
+    return data
+
+
+@contextmanager
+def long_integers() -> Iterator[None]:
+    """Parse integers of up to MAX_DIGITS digits (Python's default stops at 4,300) so that the
+    caller can name the field that holds one."""
+    old = sys.get_int_max_str_digits()
+    sys.set_int_max_str_digits(max(old, MAX_DIGITS))
+    try:
+        yield
+    finally:
+        sys.set_int_max_str_digits(old)
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"got {name}")
+
+
+def _first_line(e: Exception) -> str:
+    text = str(e).split(";")[0].strip()
+    return text[:80]
+
+
+def _too_deep(path: str | Path) -> ScenarioError:
+    return ScenarioError(f"{path}: nesting: at most {MAX_DEPTH} tables and arrays deep "
+                         "(got deeper)")
+
+
+def check_tree(data: Any, where: str, finite: bool = False,
+               error: type[KvsimError] = ScenarioError) -> None:
+    """Refuse nesting deeper than MAX_DEPTH and integers of 64 bits or more anywhere in a parsed
+    file (and, with `finite`, NaN and infinities). Iterative: the tree may be deep."""
+    stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
+    while stack:
+        node, path = stack.pop()
+        field = ".".join(str(k) for k in path) or "top"
+        if isinstance(node, dict | list):
+            if len(path) >= MAX_DEPTH:
+                raise error(f"{where}: {field}: at most {MAX_DEPTH} tables and arrays deep "
+                            "(got deeper)")
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            stack.extend((v, (*path, k)) for k, v in items)
+        elif isinstance(node, int) and not isinstance(node, bool) and abs(node) >= MAX_INT:
+            raise error(f"{where}: {field}: an integer of at most 64 bits (got {shown(node)})")
+        elif finite and isinstance(node, float) and not math.isfinite(node):
+            raise error(f"{where}: {field}: a finite number (got {node})")

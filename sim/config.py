@@ -162,30 +162,44 @@ class Scenario(BaseModel):
 
 
 def _format_error(path: str, err: ValidationError, data: object = None) -> str:
-    lines = []
+    """One line, for the deepest error: a value that fits no member of a union (`str | ModelSpec`)
+    fails every member, and the member that looked inside it says what is wrong."""
+    best: tuple[int, str] = (-1, "")
     for e in err.errors():
-        loc = ".".join(_loc(e["loc"], data))
+        loc = _loc(e["loc"], data)
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
         tail = "" if isinstance(got, dict | list) or got is None else f" (got {shown(got)})"
-        lines.append(f"{path}: {loc or 'scenario'}: {msg}{tail}")
-    return "\n".join(dict.fromkeys(lines))
+        if len(loc) > best[0]:
+            best = (len(loc), f"{path}: {'.'.join(loc) or 'scenario'}: {msg}{tail}")
+    return best[1]
+
+
+_SCALAR_MEMBERS = ("str", "int", "float", "bool")
 
 
 def _loc(loc: tuple, data: object) -> list[str]:
-    """The field path as the file spells it: without validator names and without the tag a
-    discriminated union inserts (`spec.acceptance.rates.rates.0` -> `spec.acceptance.rates.0`)."""
+    """The field path as the file spells it: without validator names, without the tag a
+    discriminated union inserts (`spec.acceptance.rates.rates.0` -> `spec.acceptance.rates.0`)
+    and without the member names of a plain union (`cost.model.ModelSpec.hidden`)."""
     out, node, tag = [], data, None
     for p in loc:
         if str(p).startswith("function-"):
             continue
-        if isinstance(node, dict) and p not in node and node.get("kind") == p and tag is not node:
+        if isinstance(node, dict) and node.get("kind") == p and tag is not node:
             tag = node  # the union's tag (once per table), not a key of the file
+            continue
+        if _is_member(p) and not (isinstance(node, dict) and p in node):
             continue
         out.append(str(p))
         node = node[p] if isinstance(node, dict) and p in node else (
             node[p] if isinstance(node, list) and isinstance(p, int) and p < len(node) else None)
     return out
+
+
+def _is_member(p: object) -> bool:
+    """A union member's name in an error's location: a model class or a scalar type."""
+    return isinstance(p, str) and (p[:1].isupper() or p in _SCALAR_MEMBERS or "[" in p)
 
 
 def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 import sys
 import tomllib
@@ -41,7 +42,10 @@ def shown(value: Any) -> str:
     on `repr` of an integer of more than 4,300 digits)."""
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= MAX_INT:
         return f"an integer of {value.bit_length()} bits"
-    text = repr(value)
+    return _clip(repr(value))
+
+
+def _clip(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -91,27 +95,26 @@ def load_toml(path: str | Path, what: str, max_bytes: int) -> dict[str, Any]:
     except tomllib.TOMLDecodeError as e:
         raise ScenarioError(f"{path}: invalid TOML: {e}") from None
     except RecursionError:
-        raise _too_deep(path) from None
-    except ValueError as e:  # an integer past Python's int-string conversion limit
-        raise ScenarioError(f"{path}: integers: at most 64 bits ({_first_line(e)})") from None
+        raise _too_deep(path, text) from None
+    except ValueError:  # an integer past even MAX_DIGITS
+        raise _too_long(path, text) from None
     check_tree(data, str(path))
     return data
 
 
 def load_json(path: str | Path, what: str, max_bytes: int) -> Any:
     """A JSON file, checked by `check_tree` with `finite=True` (NaN, Infinity and numbers that
-    overflow to infinity are refused). Raises ScenarioError."""
+    overflow to infinity are refused, naming the field). Raises ScenarioError."""
     text = decode_text(read_input(path, what, max_bytes), path)
     try:
         with long_integers():
-            data = json.loads(text, parse_constant=_no_constant)
+            data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ScenarioError(f"{path}: invalid JSON: {e}") from None
     except RecursionError:
-        raise _too_deep(path) from None
-    except ValueError as e:
-        raise ScenarioError(f"{path}: numbers: at most 64-bit integers and finite floats "
-                            f"({_first_line(e)})") from None
+        raise _too_deep(path, text) from None
+    except ValueError:
+        raise _too_long(path, text) from None
     check_tree(data, str(path), finite=True)
     return data
 
@@ -128,18 +131,32 @@ def long_integers() -> Iterator[None]:
         sys.set_int_max_str_digits(old)
 
 
-def _no_constant(name: str) -> float:
-    raise ValueError(f"got {name}")
+def _too_deep(path: str | Path, text: str) -> ScenarioError:
+    """The parser ran out of recursion: name the line where the brackets pass MAX_DEPTH
+    (counted roughly, strings included: it only places the message)."""
+    depth = 0
+    for n, line in enumerate(text.splitlines(), 1):
+        for ch in line:
+            depth += (ch in "[{") - (ch in "]}")
+            if depth > MAX_DEPTH:
+                return ScenarioError(f"{path}: line {n}{_key(line)}: nesting: at most "
+                                     f"{MAX_DEPTH} tables and arrays deep (got deeper)")
+    return ScenarioError(f"{path}: nesting: at most {MAX_DEPTH} tables and arrays deep")
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).split(";")[0].strip()
-    return text[:80]
+def _too_long(path: str | Path, text: str) -> ScenarioError:
+    m = re.search(f"[0-9]{{{MAX_DIGITS},}}", text)
+    n = text.count("\n", 0, m.start()) + 1 if m else 0
+    line = text.splitlines()[n - 1] if m else ""
+    where = f"line {n}{_key(line)}" if m else "integers"
+    return ScenarioError(f"{path}: {where}: an integer of at most 64 bits (got one of more "
+                         f"than {MAX_DIGITS} digits)")
 
 
-def _too_deep(path: str | Path) -> ScenarioError:
-    return ScenarioError(f"{path}: nesting: at most {MAX_DEPTH} tables and arrays deep "
-                         "(got deeper)")
+def _key(line: str) -> str:
+    """` (key)` for a `key = value` or `"key": value` line, else nothing."""
+    m = re.match(r'\s*"?([A-Za-z0-9_.-]+)"?\s*[=:]', line)
+    return f" ({m[1]})" if m else ""
 
 
 def check_tree(data: Any, where: str, finite: bool = False,
@@ -149,7 +166,7 @@ def check_tree(data: Any, where: str, finite: bool = False,
     stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
     while stack:
         node, path = stack.pop()
-        field = ".".join(str(k) for k in path) or "top"
+        field = _clip(".".join(str(k) for k in path) or "top")
         if isinstance(node, dict | list):
             if len(path) >= MAX_DEPTH:
                 raise error(f"{where}: {field}: at most {MAX_DEPTH} tables and arrays deep "

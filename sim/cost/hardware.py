@@ -46,10 +46,11 @@ class ModelSpec(BaseModel):
 
 class GpuSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    mem_bw: Float = Field(gt=0, description="HBM bandwidth, bytes/s")
-    flops: Float = Field(gt=0, description="dense bf16 tensor-core FLOP/s")
-    mem_bytes: Int = Field(gt=0)
-    link_bw: Float = Field(default=450e9, gt=0, description="NVLink per direction, bytes/s")
+    mem_bw: Float = Field(gt=0, le=1e16, description="HBM bandwidth, bytes/s")
+    flops: Float = Field(gt=0, le=1e18, description="dense bf16 tensor-core FLOP/s")
+    mem_bytes: Int = Field(gt=0, le=2**50)
+    link_bw: Float = Field(default=450e9, gt=0, le=1e16,
+                           description="NVLink per direction, bytes/s")
 
 
 MODELS: dict[str, ModelSpec] = {

@@ -143,7 +143,8 @@ def _json_positive(row: dict[str, Any], where: str, field: str) -> int:
 
 def _mooncake_ms(row: dict[str, Any], where: str) -> int:
     v = row["timestamp"]
-    ok = type(v) in (int, float) and math.isfinite(v) and 0 <= v <= _MAX_SPAN_NS // 10**6
+    # the range first: math.isfinite raises on an int too large for a float
+    ok = type(v) in (int, float) and 0 <= v <= _MAX_SPAN_NS // 10**6 and math.isfinite(v)
     if not ok:
         raise WorkloadError(f"{where}: field 'timestamp' must be a non-negative number of ms, "
                             f"got {_shown(v)}")

@@ -163,17 +163,53 @@ def check_tree(data: Any, where: str, finite: bool = False,
                error: type[KvsimError] = ScenarioError) -> None:
     """Refuse nesting deeper than MAX_DEPTH and integers of 64 bits or more anywhere in a parsed
     file (and, with `finite`, NaN and infinities). Iterative: the tree may be deep."""
+    _check_value(data, (), where, finite, error)
     stack: list[tuple[Any, tuple[Any, ...]]] = [(data, ())]
     while stack:
         node, path = stack.pop()
-        field = _clip(".".join(str(k) for k in path) or "top")
-        if isinstance(node, dict | list):
-            if len(path) >= MAX_DEPTH:
-                raise error(f"{where}: {field}: at most {MAX_DEPTH} tables and arrays deep "
-                            "(got deeper)")
-            items = node.items() if isinstance(node, dict) else enumerate(node)
-            stack.extend((v, (*path, k)) for k, v in items)
-        elif isinstance(node, int) and not isinstance(node, bool) and abs(node) >= MAX_INT:
-            raise error(f"{where}: {field}: an integer of at most 64 bits (got {shown(node)})")
-        elif finite and isinstance(node, float) and not math.isfinite(node):
-            raise error(f"{where}: {field}: a finite number (got {node})")
+        if not isinstance(node, dict | list):
+            continue  # a scalar: checked by its parent
+        if len(path) >= MAX_DEPTH:
+            raise error(f"{where}: {_field(path)}: at most {MAX_DEPTH} tables and arrays "
+                        "deep (got deeper)")
+        if _small_numbers(node, finite):
+            continue  # a list of numbers, checked in C
+        for k, v in node.items() if isinstance(node, dict) else enumerate(node):
+            if isinstance(v, dict | list):
+                stack.append((v, (*path, k)))
+            else:
+                _check_value(v, (*path, k) if _bad(v, finite) else (), where, finite, error)
+
+
+def _bad(v: Any, finite: bool) -> bool:
+    if type(v) is int:
+        return abs(v) >= MAX_INT
+    return finite and type(v) is float and not math.isfinite(v)
+
+
+def _check_value(v: Any, path: tuple[Any, ...], where: str, finite: bool,
+                 error: type[KvsimError]) -> None:
+    if not _bad(v, finite):
+        return
+    if type(v) is int:
+        raise error(f"{where}: {_field(path)}: an integer of at most 64 bits (got {shown(v)})")
+    raise error(f"{where}: {_field(path)}: a finite number (got {v})")
+
+
+def _field(path: tuple[Any, ...]) -> str:
+    return _clip(".".join(str(k) for k in path) or "top")
+
+
+def _small_numbers(node: dict | list, finite: bool) -> bool:
+    """True for a list of numbers only, all below MAX_INT (and finite, with `finite`). min/max
+    compare in C and raise on a list or a table among numbers; a NaN among them is left to
+    the element-wise walk, which names it."""
+    if not isinstance(node, list) or not node:
+        return False
+    try:
+        lo, hi = min(node), max(node)
+    except TypeError:
+        return False
+    if not all(isinstance(v, int | float) and abs(v) < MAX_INT for v in (lo, hi)):
+        return False
+    return not finite or all(map(math.isfinite, node))

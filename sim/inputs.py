@@ -57,20 +57,24 @@ def read_input(path: str | Path, what: str, max_bytes: int,
     """
     p = Path(path)
     try:
-        st = os.stat(p)
-    except OSError as e:
-        raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
-        raise error(f"{p}: {what}: must be a regular file (got {kind})")
-    _check_size(p, what, st.st_size, max_bytes, error)
-    try:
-        with open(p, "rb") as f:
+        _check_kind(p, what, os.stat(p), error)  # before opening: opening a device can act
+        # O_NONBLOCK: should a FIFO have taken the file's place since, opening it won't block
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            _check_kind(p, what, st, error)
+            _check_size(p, what, st.st_size, max_bytes, error)
             raw = f.read(max_bytes + 1)
     except OSError as e:
         raise error(f"{p}: cannot read {what}: {e.strerror or e}") from None
     _check_size(p, what, len(raw), max_bytes, error)
     return raw
+
+
+def _check_kind(p: Path, what: str, st: os.stat_result, error: type[KvsimError]) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
+        raise error(f"{p}: {what}: must be a regular file (got {kind})")
 
 
 def _check_size(p: Path, what: str, size: int, max_bytes: int,

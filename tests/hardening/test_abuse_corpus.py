@@ -158,11 +158,11 @@ def test_resource_cases_in_processes(cases: list[AbuseCase]) -> None:
 def test_fresh_interpreter_sample(cases: list[AbuseCase]) -> None:
     """A few cases of each kind through `python -c`: what a terminal shows, imports included."""
     kvsim = [sys.executable, "-c", "from sim.cli import main; main()"]
-    picked = {}
-    for c in cases:
-        picked.setdefault(c.name.split("-")[0] + str(c.resource), c)
-    assert len(picked) >= 6
-    for c in picked.values():
+    kinds = ("explicit", "synthetic", "roofline", "trace", "calibration", "sweep", "input",
+             "flag")
+    picked = [min((c for c in cases if c.name.startswith(k + "-")),
+                  key=lambda c: not c.resource) for k in kinds]
+    for c in picked:
         t0 = time.monotonic()
         r = subprocess.run(kvsim + c.argv, capture_output=True, text=True, timeout=60)
         assert problems(c, r.returncode, r.stdout + r.stderr) == [], (c.name, r.stderr)

@@ -6,7 +6,6 @@ and what is allowed, and is raised as `ScenarioError` so the CLI can print it an
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -14,6 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from sim.cost import CostConfig
 from sim.errors import ScenarioError
+from sim.inputs import load_toml, shown
+from sim.numbers import Float, Int
 from sim.workload import WorkloadConfig
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -22,14 +23,15 @@ _STRICT = ConfigDict(extra="forbid", frozen=True)
 # block-table entry (max_batch_size * blocks_per_seq). Both are far past any real GPU's pool.
 MAX_KV_SLOTS = 2**26
 MAX_TABLE_ENTRIES = 2**24
+MAX_SCENARIO_BYTES = 2**24  # explicit requests with their token ids fit many times over
 
 
 class ModelConfig(BaseModel):
     model_config = _STRICT
-    num_q_heads: int = Field(32, ge=1, le=1024)
-    num_kv_heads: int = Field(8, ge=1, le=1024)
-    head_dim: int = Field(128, ge=16, le=1024)
-    max_position_embeddings: int = Field(4096, ge=2, le=10_000_000)
+    num_q_heads: Int = Field(32, ge=1, le=1024)
+    num_kv_heads: Int = Field(8, ge=1, le=1024)
+    head_dim: Int = Field(128, ge=16, le=1024)
+    max_position_embeddings: Int = Field(4096, ge=2, le=10_000_000)
     dtype: Literal["bfloat16", "float16"] = "bfloat16"
 
     @model_validator(mode="after")
@@ -41,43 +43,53 @@ class ModelConfig(BaseModel):
 
 class CacheConfig(BaseModel):
     model_config = _STRICT
-    tokens_per_block: int = Field(32, ge=1, le=1024)
-    num_blocks: int = Field(64, ge=1, le=10_000_000)
+    tokens_per_block: Int = Field(32, ge=1, le=1024)
+    num_blocks: Int = Field(64, ge=1, le=10_000_000)
     reuse: Literal["off", "full", "partial-copy", "partial-nocopy"] = "partial-copy"
-    max_blocks_per_seq: int = Field(0, ge=0, le=10_000_000)  # 0 = ceil(max_seq_len / B) + 1
+    max_blocks_per_seq: Int = Field(0, ge=0, le=10_000_000)  # 0 = ceil(max_seq_len / B) + 1
 
 
 class SchedulerConfig(BaseModel):
     model_config = _STRICT
-    max_batch_size: int = Field(8, ge=1, le=4096)
-    max_num_tokens: int = Field(2048, ge=1, le=1_000_000)
+    max_batch_size: Int = Field(8, ge=1, le=4096)
+    max_num_tokens: Int = Field(2048, ge=1, le=1_000_000)
     policy: Literal["guaranteed-no-evict", "max-utilization"] = "guaranteed-no-evict"
-    chunk_size: int = Field(0, ge=0, le=1_000_000)
+    chunk_size: Int = Field(0, ge=0, le=1_000_000)
 
 
 class ForcedAcceptance(BaseModel):
     model_config = _STRICT
     kind: Literal["forced"]
-    accepted: Annotated[list[Annotated[int, Field(ge=0, le=64)]], Field(min_length=1)]
+    accepted: Annotated[list[Annotated[Int, Field(ge=0, le=64)]], Field(min_length=1)]
 
 
 class RateAcceptance(BaseModel):
     model_config = _STRICT
     kind: Literal["rates"]
-    rates: Annotated[list[Annotated[float, Field(ge=0.0, le=1.0)]], Field(min_length=1)]
-    request_multiplier: tuple[float, float] = (1.0, 1.0)  # per-request factor drawn uniformly
+    rates: Annotated[list[Annotated[Float, Field(ge=0.0, le=1.0)]], Field(min_length=1)]
+    request_multiplier: tuple[Float, Float] = (1.0, 1.0)  # per-request factor drawn uniformly
+
+    @model_validator(mode="after")
+    def _scaled(self) -> RateAcceptance:
+        lo, hi = self.request_multiplier
+        if not 0 <= lo <= hi:
+            raise ValueError(f"request_multiplier: 0 <= low <= high (got {lo}, {hi})")
+        if max(self.rates) * hi > 1:
+            raise ValueError(f"request_multiplier: high * max(rates) must be <= 1, so every "
+                             f"scaled rate is a probability (got {hi} * {max(self.rates)})")
+        return self
 
 
 class SpecConfig(BaseModel):
     model_config = _STRICT
     mode: Literal["none", "mtp"] = "none"
-    max_draft_len: int = Field(0, ge=0, le=64)
+    max_draft_len: Int = Field(0, ge=0, le=64)
     acceptance: ForcedAcceptance | RateAcceptance = Field(
         default_factory=lambda: ForcedAcceptance(kind="forced", accepted=[0]),
         discriminator="kind")
     # Runtime draft lengths cycled per step (each clamped to max_draft_len); empty = always D.
-    runtime_draft_lens: list[Annotated[int, Field(ge=0, le=64)]] = []
-    extra_kv_tokens: int = Field(0, ge=0, le=64)  # draft-layer KV written past the W tokens
+    runtime_draft_lens: list[Annotated[Int, Field(ge=0, le=64)]] = []
+    extra_kv_tokens: Int = Field(0, ge=0, le=64)  # draft-layer KV written past the W tokens
 
     @model_validator(mode="after")
     def _mode(self) -> SpecConfig:
@@ -97,12 +109,12 @@ class OverlapConfig(BaseModel):
 
 class LimitsConfig(BaseModel):
     model_config = _STRICT
-    max_seq_len: int = Field(4096, ge=2, le=10_000_000)
+    max_seq_len: Int = Field(4096, ge=2, le=10_000_000)
 
 
 class Scenario(BaseModel):
     model_config = _STRICT
-    seed: int = Field(0, ge=0, le=2**63 - 1)
+    seed: Int = Field(0, ge=0, le=2**63 - 1)
     profile: str = "trtllm-post-17264"
     switches: dict[str, bool | str | int] = {}
     model: ModelConfig = ModelConfig()
@@ -124,6 +136,9 @@ class Scenario(BaseModel):
         if d + 2 > lim:
             raise ValueError(
                 f"spec.max_draft_len ({d}) must be <= limits.max_seq_len - 2 ({lim - 2})")
+        if 1 + d > self.scheduler.max_num_tokens:  # a generation step could never be scheduled
+            raise ValueError(f"scheduler.max_num_tokens ({self.scheduler.max_num_tokens}) must "
+                             f"be >= 1 + spec.max_draft_len ({1 + d}), one step's tokens")
         if self.blocks_per_seq * self.cache.tokens_per_block < lim:
             raise ValueError("cache.max_blocks_per_seq * cache.tokens_per_block must cover "
                              f"limits.max_seq_len ({lim})")
@@ -147,30 +162,44 @@ class Scenario(BaseModel):
 
 
 def _format_error(path: str, err: ValidationError, data: object = None) -> str:
-    lines = []
+    """One line, for the deepest error: a value that fits no member of a union (`str | ModelSpec`)
+    fails every member, and the member that looked inside it says what is wrong."""
+    best: tuple[int, str] = (-1, "")
     for e in err.errors():
-        loc = ".".join(_loc(e["loc"], data))
+        loc = _loc(e["loc"], data)
         msg = e["msg"].removeprefix("Value error, ")
         got = e.get("input")
-        tail = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
-        lines.append(f"{path}: {loc or 'scenario'}: {msg}{tail}")
-    return "\n".join(dict.fromkeys(lines))
+        tail = "" if isinstance(got, dict | list) or got is None else f" (got {shown(got)})"
+        if len(loc) > best[0]:
+            best = (len(loc), f"{path}: {'.'.join(loc) or 'scenario'}: {msg}{tail}")
+    return best[1]
+
+
+_SCALAR_MEMBERS = ("str", "int", "float", "bool")
 
 
 def _loc(loc: tuple, data: object) -> list[str]:
-    """The field path as the file spells it: without validator names and without the tag a
-    discriminated union inserts (`spec.acceptance.rates.rates.0` -> `spec.acceptance.rates.0`)."""
+    """The field path as the file spells it: without validator names, without the tag a
+    discriminated union inserts (`spec.acceptance.rates.rates.0` -> `spec.acceptance.rates.0`)
+    and without the member names of a plain union (`cost.model.ModelSpec.hidden`)."""
     out, node, tag = [], data, None
     for p in loc:
         if str(p).startswith("function-"):
             continue
-        if isinstance(node, dict) and p not in node and node.get("kind") == p and tag is not node:
+        if isinstance(node, dict) and node.get("kind") == p and tag is not node:
             tag = node  # the union's tag (once per table), not a key of the file
+            continue
+        if _is_member(p) and not (isinstance(node, dict) and p in node):
             continue
         out.append(str(p))
         node = node[p] if isinstance(node, dict) and p in node else (
             node[p] if isinstance(node, list) and isinstance(p, int) and p < len(node) else None)
     return out
+
+
+def _is_member(p: object) -> bool:
+    """A union member's name in an error's location: a model class or a scalar type."""
+    return isinstance(p, str) and (p[:1].isupper() or p in _SCALAR_MEMBERS or "[" in p)
 
 
 def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
@@ -183,14 +212,5 @@ def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
 def load_scenario(path: str | Path) -> tuple[Scenario, Path]:
     """Read and validate a scenario file. Returns it and its folder (for relative paths)."""
     p = Path(path)
-    try:
-        raw = p.read_bytes()
-    except OSError as e:
-        raise ScenarioError(f"{p}: cannot read scenario: {e.strerror or e}") from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ScenarioError(f"{p}: not UTF-8 text (byte {e.start})") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ScenarioError(f"{p}: invalid TOML: {e}") from None
+    data = load_toml(p, "scenario", MAX_SCENARIO_BYTES)
     return parse_scenario(data, str(p)), p.resolve().parent

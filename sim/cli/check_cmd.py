@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from sim.cli.common import console, user_errors
+from sim.cli.options import check_count
 
 # Judged by the engine while it runs (they need its admission and host-side state, which the
 # trace does not carry); offline, the check reports what the trace recorded for them.
@@ -33,6 +34,7 @@ def check_cmd(
     from sim.trace.reader import read_trace, records
 
     with user_errors():
+        check_count(limit, "--limit")
         # the compiled checker finds the same (invariant, step, request) as StepChecker in a
         # fraction of the time; only a trace with violations pays for StepChecker's messages
         found = check_trace(trace) if reference or check_trace_compiled(trace) else []

@@ -64,12 +64,16 @@ def _validate(profile: str, budget: float, seed: int, out: str, force: bool, wor
               db: Path | None, ignore: list[str], baseline: str | None
               ):  # type: ignore[no-untyped-def]
     from sim.check.registry import INVARIANTS
+    from sim.cli.options import check_seconds, check_seed, check_workers
     from sim.fuzz.parallel import CampaignConfig
     from sim.outputs import Kind, check_out
     from sim.profiles import resolve_profile
 
     with user_errors():
         check_out(out, Kind.FUZZ, force)  # before any work: a refused --out costs nothing
+        check_seconds(budget, "--budget")
+        check_seed(seed)
+        check_workers(workers)
         resolve_profile(profile)  # unknown profile/fault: exit 2 before any work
         if baseline is not None:
             resolve_profile(baseline)
@@ -77,12 +81,6 @@ def _validate(profile: str, budget: float, seed: int, out: str, force: bool, wor
     for name in ignore:
         if name not in known:
             fail(f"--ignore {name!r} is not an invariant; known: {', '.join(sorted(known))}")
-    if not budget > 0:
-        fail(f"--budget must be > 0 seconds, got {budget}")
-    if seed < 0:
-        fail(f"--seed must be >= 0, got {seed}")
-    if workers < 0:
-        fail(f"--workers must be >= 0, got {workers}")
     # Not inside OUT: a finding replaces OUT whole, and the database must outlive it.
     db = db if db is not None else Path(".hypothesis/kvsim-fuzz")
     if db.exists() and not db.is_dir():

@@ -23,9 +23,12 @@ def metrics(trace_dir: Annotated[Path, typer.Argument(help="trace directory")],
             slo_tpot_ms: Annotated[float | None, typer.Option(help="TPOT SLO for goodput")] = None,
             as_json: Annotated[bool, typer.Option("--json", help="print JSON")] = False) -> None:
     """Print TTFT/TPOT/E2E percentiles (ms), throughput, goodput under SLOs and KV use."""
+    from sim.cli.options import check_ms
     from sim.metrics import trace_metrics
 
     try:
+        check_ms(slo_ttft_ms, "--slo-ttft-ms")
+        check_ms(slo_tpot_ms, "--slo-tpot-ms")
         m = trace_metrics(trace_dir, slo_ttft_ms, slo_tpot_ms)
     except KvsimError as e:
         typer.echo(f"error: {e}", err=True)

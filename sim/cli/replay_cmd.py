@@ -28,6 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from sim.cli.common import err_console, user_errors
+from sim.cli.options import check_tolerance, check_workers
 from sim.errors import KvsimError
 from sim.outputs import Kind, check_out
 
@@ -77,6 +78,8 @@ def register(app: typer.Typer) -> None:
             console.print(f"[red]error:[/red] --watch {watch!r}: choose incremental or full")
             raise typer.Exit(2)
         try:
+            check_tolerance(tol)
+            check_workers(prepare_workers, "--prepare-workers")
             res = _run(trace_dir, backend, isolate, tol, watch, not eager, prepare_workers)
         except KvsimError as e:
             console.print(f"[red]error:[/red] {e}")

@@ -10,6 +10,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sim.cli.common import console, err_console, parse_switches, user_errors
+from sim.cli.options import check_count, check_seed
 
 
 def register(app: typer.Typer) -> None:
@@ -45,6 +46,8 @@ def run_cmd(
     from sim.outputs import Kind, check_out
 
     with user_errors():
+        check_seed(seed)
+        check_count(max_violations, "--max-violations")
         if out is not None:  # before any work: a refused --out costs nothing
             check_out(out, Kind.TRACE, force)
         trace = None if out is None else Path(out)

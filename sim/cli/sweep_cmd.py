@@ -25,11 +25,13 @@ def sweep(sweep_file: Annotated[Path, typer.Argument(help="sweep TOML")],
     """Run every grid point; write DIR/results.parquet (one row per point) and DIR/sweep.png."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+    from sim.cli.options import check_workers
     from sim.outputs import Kind, Plan, check_out
     from sim.sweep import load_sweep, run_sweep
 
     try:
         plan = check_out(out, Kind.SWEEP, force)  # before any work
+        check_workers(workers)
         spec, base = load_sweep(sweep_file)
         with Progress("[progress.description]{task.description}", BarColumn(),
                       MofNCompleteColumn(), TimeElapsedColumn(), transient=True) as bar:

@@ -25,6 +25,7 @@ from sim.cost.hardware import (
     resolve_model,
 )
 from sim.cost.roofline import RooflineCost
+from sim.numbers import Float, Int
 
 __all__ = ["GPUS", "MODELS", "Calibration", "CostConfig", "CostModel", "GpuSpec", "ModelSpec",
            "RooflineCost", "SimpleCost", "build_cost_model", "load_calibration", "num_blocks_for"]
@@ -45,23 +46,23 @@ class CostConfig(BaseModel):
 
     kind: Literal["simple", "roofline"] = "simple"
     # simple: step_base + per token + per KV token read
-    step_base_ns: int = Field(4_000_000, ge=0, le=10**12)
-    ns_per_token: int = Field(20_000, ge=0, le=10**9)
-    ns_per_kv_token: int = Field(20, ge=0, le=10**9)
+    step_base_ns: Int = Field(4_000_000, ge=0, le=10**12)
+    ns_per_token: Int = Field(20_000, ge=0, le=10**9)
+    ns_per_kv_token: Int = Field(20, ge=0, le=10**9)
     # host (both kinds): scheduling + metadata building, hidden by overlap
-    host_base_ns: int = Field(1_500_000, ge=0, le=10**12)
-    host_ns_per_row: int = Field(20_000, ge=0, le=10**9)
-    host_ns_per_token: int = Field(0, ge=0, le=10**9)
+    host_base_ns: Int = Field(1_500_000, ge=0, le=10**12)
+    host_ns_per_row: Int = Field(20_000, ge=0, le=10**9)
+    host_ns_per_token: Int = Field(0, ge=0, le=10**9)
     # roofline
     model: str | ModelSpec = "llama-3.1-8b"  # preset name or an inline [cost.model] table
     gpu: str | GpuSpec = "h200"  # preset name or an inline [cost.gpu] table
-    tp: int = Field(1, ge=1, le=64)
-    launch_ns: int = Field(30_000, ge=0, le=10**10)  # fixed per-forward overhead (graph launch)
-    bw_efficiency: float = Field(0.85, gt=0.0, le=1.0)  # achieved / datasheet HBM bandwidth
-    flops_efficiency: float = Field(0.7, gt=0.0, le=1.0)  # achieved / datasheet tensor FLOP/s
-    draft_layers: int = Field(1, ge=0, le=64)  # MTP drafter layers per draft token
+    tp: Int = Field(1, ge=1, le=64)
+    launch_ns: Int = Field(30_000, ge=0, le=10**10)  # fixed per-forward overhead (graph launch)
+    bw_efficiency: Float = Field(0.85, gt=0.0, le=1.0)  # achieved / datasheet HBM bandwidth
+    flops_efficiency: Float = Field(0.7, gt=0.0, le=1.0)  # achieved / datasheet tensor FLOP/s
+    draft_layers: Int = Field(1, ge=0, le=64)  # MTP drafter layers per draft token
     calibration: str = ""  # JSON of measured kernel times; relative to the scenario's folder
-    page_size: int = Field(0, ge=0, le=4096)  # calibration page size to use; 0 = most measured
+    page_size: Int = Field(0, ge=0, le=4096)  # calibration page size to use; 0 = most measured
 
     @field_validator("model")
     @classmethod

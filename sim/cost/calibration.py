@@ -16,17 +16,19 @@ queries at an unmeasured q_len use the nearest measured q_len, scaled by q_len.
 
 from __future__ import annotations
 
-import json
 import math
 from bisect import bisect_right
 from collections import Counter
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 
 from sim.errors import ScenarioError
+from sim.inputs import load_json, shown
 
+MAX_CALIBRATION_BYTES = 2**24
+MAX_AXIS = 64  # distinct batch (or m) and kv_len values per group; a real sweep uses ~10
+MAX_VALUE = 1e12  # any size or time in microseconds; far past a real kernel's
 _ATTN_KEYS = ("kind", "batch", "kv_len", "q_len", "page_size", "num_q_heads", "num_kv_heads",
               "head_dim", "us")
 
@@ -104,7 +106,22 @@ def _need(entry: object, keys: tuple[str, ...], where: str) -> dict:
     missing = [k for k in keys if k not in entry]
     if missing:
         raise ScenarioError(f"{where}: missing field(s) {', '.join(missing)}")
+    for k in keys:
+        v = entry[k]
+        if k != "kind" and (type(v) not in (int, float) or not 0 < v <= MAX_VALUE):
+            raise ScenarioError(f"{where}.{k}: a number in (0, {MAX_VALUE:g}] (got {shown(v)})")
     return entry
+
+
+def _grid(points: dict[tuple[float, float], float], where: str, x: str) -> Grid:
+    """A Grid, refused when an axis has more than MAX_AXIS values: filling the unmeasured
+    cells costs (cells x measured points)."""
+    for axis, name in ((0, x), (1, "kv_len")):
+        n = len({p[axis] for p in points})
+        if n > MAX_AXIS:
+            raise ScenarioError(f"{where}: {name}: at most {MAX_AXIS} distinct values per "
+                                f"group (got {n})")
+    return Grid(points)
 
 
 def _attention(raw: list, path: str, heads: tuple[int, int, int], page_size: int
@@ -127,7 +144,7 @@ def _attention(raw: list, path: str, heads: tuple[int, int, int], page_size: int
         if e["page_size"] == page_size:
             groups.setdefault((e["kind"], int(e["q_len"])), {})[
                 (float(e["batch"]), float(e["kv_len"]))] = float(e["us"])
-    return {key: Grid(pts) for key, pts in groups.items()}
+    return {key: _grid(pts, f"{path}: attention {key}", "batch") for key, pts in groups.items()}
 
 
 def _gemm(raw: list, path: str) -> dict[tuple[int, int], Grid]:
@@ -137,7 +154,7 @@ def _gemm(raw: list, path: str) -> dict[tuple[int, int], Grid]:
         if min(e["m"], e["us"]) <= 0:
             raise ValueError(f"gemm[{i}]: m and us must be > 0")
         groups.setdefault((int(e["n"]), int(e["k"])), {})[(float(e["m"]), 1.0)] = float(e["us"])
-    return {key: Grid(pts) for key, pts in groups.items()}
+    return {key: _grid(pts, f"{path}: gemm (n, k) = {key}", "m") for key, pts in groups.items()}
 
 
 @lru_cache(maxsize=16)
@@ -147,15 +164,12 @@ def load_calibration(path: str, heads: tuple[int, int, int], page_size: int = 0)
     `page_size` 0 picks the page size measured most often. Raises ScenarioError naming the file
     and the entry on anything malformed.
     """
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as e:
-        raise ScenarioError(f"{path}: cannot read calibration: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
-        raise ScenarioError(f"{path}: invalid JSON: {e}") from None
+    data = load_json(path, "calibration", MAX_CALIBRATION_BYTES)
     if not isinstance(data, dict) or not isinstance(data.get("attention", []), list) \
-            or not isinstance(data.get("gemm", []), list):
-        raise ScenarioError(f"{path}: expected an object with 'attention' and 'gemm' lists")
+            or not isinstance(data.get("gemm", []), list) \
+            or not isinstance(data.get("meta", {}), dict):
+        raise ScenarioError(f"{path}: expected an object with 'attention' and 'gemm' lists "
+                            "and a 'meta' object")
     try:
         attn = _attention(data.get("attention", []), path, heads, page_size)
         gemm = _gemm(data.get("gemm", []), path)

@@ -8,19 +8,21 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from sim.numbers import Float, Int
+
 
 class ModelSpec(BaseModel):
     """A decoder-only transformer with GQA attention and a SwiGLU MLP."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    num_layers: int = Field(ge=1, le=1024)
-    hidden: int = Field(ge=1, le=1_000_000)
-    num_q_heads: int = Field(ge=1, le=1024)
-    num_kv_heads: int = Field(ge=1, le=1024)
-    head_dim: int = Field(ge=1, le=4096)
-    intermediate: int = Field(ge=1, le=10_000_000)
-    vocab: int = Field(ge=1, le=10_000_000)
-    dtype_bytes: int = Field(default=2, ge=1, le=8)
+    num_layers: Int = Field(ge=1, le=1024)
+    hidden: Int = Field(ge=1, le=1_000_000)
+    num_q_heads: Int = Field(ge=1, le=1024)
+    num_kv_heads: Int = Field(ge=1, le=1024)
+    head_dim: Int = Field(ge=1, le=4096)
+    intermediate: Int = Field(ge=1, le=10_000_000)
+    vocab: Int = Field(ge=1, le=10_000_000)
+    dtype_bytes: Int = Field(default=2, ge=1, le=8)
 
     def shard(self, tp: int) -> tuple[int, int, int]:
         """(q heads, kv heads, intermediate) held by one of `tp` GPUs; KV heads replicate."""
@@ -44,10 +46,11 @@ class ModelSpec(BaseModel):
 
 class GpuSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    mem_bw: float = Field(gt=0, description="HBM bandwidth, bytes/s")
-    flops: float = Field(gt=0, description="dense bf16 tensor-core FLOP/s")
-    mem_bytes: int = Field(gt=0)
-    link_bw: float = Field(default=450e9, gt=0, description="NVLink per direction, bytes/s")
+    mem_bw: Float = Field(gt=0, le=1e16, description="HBM bandwidth, bytes/s")
+    flops: Float = Field(gt=0, le=1e18, description="dense bf16 tensor-core FLOP/s")
+    mem_bytes: Int = Field(gt=0, le=2**50)
+    link_bw: Float = Field(default=450e9, gt=0, le=1e16,
+                           description="NVLink per direction, bytes/s")
 
 
 MODELS: dict[str, ModelSpec] = {

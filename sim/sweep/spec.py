@@ -17,29 +17,34 @@
 from __future__ import annotations
 
 import itertools
-import tomllib
+import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from sim.errors import ScenarioError
+from sim.inputs import MAX_DEPTH, load_toml, shown
+from sim.numbers import Float, Int
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
+MAX_GRID_POINTS = 4096
+MAX_SWEEP_BYTES = 2**20
+MAX_MS = 1e9  # an SLO of more than eleven days is a typo
 
 
 class Slo(BaseModel):
     model_config = _STRICT
-    ttft_p99_ms: float | None = Field(default=None, gt=0)
-    tpot_p99_ms: float | None = Field(default=None, gt=0)
+    ttft_p99_ms: Float | None = Field(default=None, gt=0, le=MAX_MS)
+    tpot_p99_ms: Float | None = Field(default=None, gt=0, le=MAX_MS)
 
 
 class Search(BaseModel):
     model_config = _STRICT
     param: str = "workload.synthetic.qps"
-    lo: float = Field(0.5, gt=0)
-    hi: float = Field(64.0, gt=0)
-    iters: int = Field(6, ge=1, le=30)  # bisection steps (in log space) after the two ends
+    lo: Float = Field(0.5, gt=0, le=1e9)  # the bounds of workload.synthetic.qps
+    hi: Float = Field(64.0, gt=0, le=1e9)
+    iters: Int = Field(6, ge=1, le=30)  # bisection steps (in log space) after the two ends
 
     @model_validator(mode="after")
     def _order(self) -> Search:
@@ -60,6 +65,12 @@ class SweepSpec(BaseModel):
         for k, v in self.grid.items():
             if not v:
                 raise ValueError(f"grid.{k}: needs at least one value")
+            if k.count(".") >= MAX_DEPTH:
+                raise ValueError(f"grid.{k[:40]}...: at most {MAX_DEPTH} dotted parts")
+        points = math.prod(len(v) for v in self.grid.values())
+        if points > MAX_GRID_POINTS:  # each point is a whole simulation (times the search's)
+            raise ValueError(f"grid: the values' product must be <= {MAX_GRID_POINTS} points "
+                             f"(got {points})")
         if self.search is not None and self.search.param in self.grid:
             raise ValueError(f"grid.{self.search.param}: is the search parameter")
         if self.search is not None and not (self.slo.ttft_p99_ms or self.slo.tpot_p99_ms):
@@ -76,19 +87,16 @@ class SweepSpec(BaseModel):
 def load_sweep(path: str | Path) -> tuple[SweepSpec, Path]:
     """Read and validate a sweep file; returns it and the base scenario's absolute path."""
     p = Path(path)
-    try:
-        data = tomllib.loads(p.read_text())
-    except OSError as e:
-        raise ScenarioError(f"{p}: cannot read sweep: {e.strerror or e}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ScenarioError(f"{p}: invalid TOML: {e}") from None
+    data = load_toml(p, "sweep", MAX_SWEEP_BYTES)
     try:
         spec = SweepSpec.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
-        raise ScenarioError(f"{p}: {loc}: {msg}" if loc else f"{p}: {msg}") from None
+        got = err.get("input")
+        tail = "" if isinstance(got, dict | list) or got is None else f" (got {shown(got)})"
+        raise ScenarioError((f"{p}: {loc}: {msg}" if loc else f"{p}: {msg}") + tail) from None
     return spec, (p.resolve().parent / spec.base)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from sim.workload.config import MAX_LEN, MAX_TRACE_ROWS
 from sim.workload.spec import WorkloadError
 
 AZURE_HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens"
@@ -38,14 +39,17 @@ class TraceRows:
     hash_ids: list[np.ndarray] | None  # mooncake: int64 [ceil(prompt_len / 512)] per row
 
 
-def _select(lines: list[str], first: int, start: int,
-            limit: int | None) -> Iterator[tuple[int, str]]:
+def _select(lines: list[str], first: int, start: int, limit: int | None,
+            what: str) -> Iterator[tuple[int, str]]:
     """(line number, text) of the data rows wanted; `first` = index of the first data line."""
     end = len(lines)
     while end > first and not lines[end - 1].strip():
         end -= 1
     lo = first + start
     hi = end if limit is None else min(end, lo + limit)
+    if hi - lo > MAX_TRACE_ROWS:  # counted before a row is parsed
+        raise WorkloadError(f"{what}: rows: at most {MAX_TRACE_ROWS} data rows per run, set "
+                            f"workload.trace.limit (got {hi - lo})")
     for i in range(lo, hi):
         yield i + 1, lines[i]
 
@@ -92,8 +96,12 @@ def azure_timestamp_ns(text: str) -> int | None:
 
 
 def _azure_positive(text: str, where: str, field: str) -> int:
-    if _POSITIVE.fullmatch(text) is None or int(text) == 0:
-        raise WorkloadError(f"{where}: field '{field}' must be a positive int, got {text!r}")
+    if _POSITIVE.fullmatch(text) is None or not text.strip("0"):
+        raise WorkloadError(f"{where}: field '{field}' must be a positive int, got "
+                            f"{_clip(text)!r}")
+    if len(text.lstrip("0")) > 9 or int(text) > MAX_LEN:  # digits first: int() stops at 4,300
+        raise WorkloadError(f"{where}: field '{field}' must be <= {MAX_LEN} tokens, got "
+                            f"{_clip(text)}")
     return int(text)
 
 
@@ -106,7 +114,7 @@ def parse_azure(text: str, what: str, start: int, limit: int | None) -> TraceRow
     times: list[int] = []
     prompt: list[int] = []
     output: list[int] = []
-    for ln, raw in _select(lines, 1, start, limit):
+    for ln, raw in _select(lines, 1, start, limit, what):
         where = f"{what} line {ln}"
         parts = raw.rstrip("\r").split(",")
         if len(parts) != 3:
@@ -127,12 +135,16 @@ def _json_positive(row: dict[str, Any], where: str, field: str) -> int:
     v = row[field]
     if type(v) is not int or v < 1:
         raise WorkloadError(f"{where}: field '{field}' must be a positive int, got {_shown(v)}")
+    if v > MAX_LEN:
+        raise WorkloadError(f"{where}: field '{field}' must be <= {MAX_LEN} tokens, got "
+                            f"{_shown(v)}")
     return v
 
 
 def _mooncake_ms(row: dict[str, Any], where: str) -> int:
     v = row["timestamp"]
-    ok = type(v) in (int, float) and math.isfinite(v) and 0 <= v <= _MAX_SPAN_NS // 10**6
+    # the range first: math.isfinite raises on an int too large for a float
+    ok = type(v) in (int, float) and 0 <= v <= _MAX_SPAN_NS // 10**6 and math.isfinite(v)
     if not ok:
         raise WorkloadError(f"{where}: field 'timestamp' must be a non-negative number of ms, "
                             f"got {_shown(v)}")
@@ -157,6 +169,12 @@ def _mooncake_row(raw: str, where: str) -> dict[str, Any]:
         row = json.loads(raw)
     except json.JSONDecodeError as e:
         raise WorkloadError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
+    except RecursionError:
+        raise WorkloadError(f"{where}: nesting: a flat JSON object (got arrays or objects "
+                            "nested past the parser's depth)") from None
+    except ValueError as e:  # an integer past Python's int-string conversion limit
+        raise WorkloadError(f"{where}: numbers: an integer of at most 64 bits "
+                            f"({str(e).split(';')[0]})") from None
     if not isinstance(row, dict):
         raise WorkloadError(f"{where}: expected a JSON object, got {_shown(row)}")
     for field in ("timestamp", "input_length", "output_length", "hash_ids"):
@@ -170,7 +188,7 @@ def parse_mooncake(text: str, what: str, start: int, limit: int | None) -> Trace
     prompt: list[int] = []
     output: list[int] = []
     hash_ids: list[np.ndarray] = []
-    for ln, raw in _select(text.split("\n"), 0, start, limit):
+    for ln, raw in _select(text.split("\n"), 0, start, limit, what):
         where = f"{what} line {ln}"
         row = _mooncake_row(raw, where)
         t = _mooncake_ms(row, where)

@@ -18,8 +18,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from sim.workload.config import LengthDist, LognormalLength, SyntheticConfig, UniformLength
+from sim.workload.config import (
+    MAX_WORKLOAD_TOKENS,
+    LengthDist,
+    LognormalLength,
+    SyntheticConfig,
+    UniformLength,
+)
 from sim.workload.content import Plan
+from sim.workload.spec import WorkloadError
 
 _NS = 1e9
 
@@ -34,6 +41,10 @@ def draw_arrivals(cfg: SyntheticConfig, n: int, rate: float,
         assert cfg.cv is not None, "config validation lets gamma through without cv; a bug"
         shape = 1.0 / cfg.cv**2  # gamma(k, θ): mean kθ, cv 1/sqrt(k)
         gaps = rng.gamma(shape, mean_gap_s / shape, n - 1)
+    if gaps.sum() * _NS > 2**62:  # heavy-tailed gamma gaps can pass the config's span check
+        raise WorkloadError(f"workload.synthetic.qps: arrival times must stay below 2**62 ns; "
+                            f"{n} arrivals at {rate:g}/s drew {gaps.sum():.3g} s, raise qps "
+                            "or lower cv")
     gap_ns = np.rint(gaps * _NS).astype(np.int64)
     return np.concatenate([np.zeros(1, np.int64), np.cumsum(gap_ns)])
 
@@ -69,6 +80,17 @@ def _turn_prompt_lens(user: np.ndarray, out: np.ndarray, turns: int) -> np.ndarr
     return done - out - before_session
 
 
+def _check_tokens(cfg: SyntheticConfig, user: np.ndarray, out: np.ndarray, turns: int) -> None:
+    """The drawn lengths' tokens, before any token is made: a session's turn t holds the t
+    turns before it, so count (turns - t) copies of each turn's user and output tokens."""
+    copies = turns - np.arange(len(user), dtype=np.int64) % turns
+    tokens = int(((user + out).astype(np.float64) * copies).sum())
+    if tokens > MAX_WORKLOAD_TOKENS:
+        raise WorkloadError(f"workload.synthetic.num_requests: the drawn requests hold "
+                            f"{tokens} tokens, more than {MAX_WORKLOAD_TOKENS}; lower "
+                            "num_requests or the lengths")
+
+
 def plan_synthetic(cfg: SyntheticConfig, rng: np.random.Generator) -> Plan:
     n = cfg.num_requests
     turns = cfg.sessions.num_turns if cfg.sessions else 1
@@ -76,6 +98,7 @@ def plan_synthetic(cfg: SyntheticConfig, rng: np.random.Generator) -> Plan:
     starts = draw_arrivals(cfg, units, cfg.qps / turns, rng)
     user = draw_lengths(cfg.prompt_len, n, rng)
     out = draw_lengths(cfg.output_len, n, rng)
+    _check_tokens(cfg, user, out, turns)
     group, prefixes = _draw_prefixes(cfg, units, rng)
     seed = int(rng.integers(0, 2**63, dtype=np.int64))
     unit = np.arange(n, dtype=np.int64) // turns

@@ -21,13 +21,15 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.workload.config import TraceConfig
+from sim.inputs import long_integers, read_input
+from sim.workload.config import MAX_WORKLOAD_TOKENS, TraceConfig
 from sim.workload.content import Plan, iter_plan
 from sim.workload.readers import MOONCAKE_BLOCK, TraceRows, parse_azure, parse_mooncake
 from sim.workload.spec import RequestSpec, WorkloadError, read_only
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _SALT = 0x6B7673696D2D6D63  # "kvsim-mc": keeps these ids unlike other splitmix64 users'
+MAX_TRACE_BYTES = 2**26  # the public traces are a few MB; rows are capped too (readers.py)
 _PARSERS = {"azure2023": parse_azure, "mooncake": parse_mooncake}
 
 
@@ -37,7 +39,7 @@ def resolve_trace(path: str, base_dir: Path | None) -> Path | None:
     p = Path(path)
     bases = [base_dir if base_dir is not None else Path.cwd(), REPO_ROOT]
     for cand in [p] if p.is_absolute() else [b / p for b in bases]:
-        if cand.is_file():
+        if cand.exists():  # a FIFO or a folder is found, then refused by read_trace
             return cand.resolve()
     return None
 
@@ -53,16 +55,14 @@ def tried_paths(path: str, base_dir: Path | None) -> str:
 def read_trace(cfg: TraceConfig, file: Path) -> TraceRows:
     """Parse the selected rows of `file` and apply `time_scale` and the length clamps."""
     what = f"{cfg.format} trace {file}"
-    try:
-        raw = file.read_bytes()
-    except OSError as e:
-        raise WorkloadError(f"{what}: cannot read: {e.strerror or e}") from None
+    raw = read_input(file, "workload trace", MAX_TRACE_BYTES, WorkloadError)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw.count(b"\n", 0, e.start) + 1
         raise WorkloadError(f"{what} line {line}: not UTF-8 text (byte {e.start})") from None
-    rows = _PARSERS[cfg.format](text, what, cfg.start, cfg.limit)
+    with long_integers():  # a row's huge integer is reported with its line and field
+        rows = _PARSERS[cfg.format](text, what, cfg.start, cfg.limit)
     if not len(rows.arrival_ns):
         raise WorkloadError(f"{what}: no data rows after skipping start = {cfg.start}")
     arrival = rows.arrival_ns
@@ -74,6 +74,10 @@ def read_trace(cfg: TraceConfig, file: Path) -> TraceRows:
         arrival = scaled.astype(np.int64)
     prompt = _clamp(rows.prompt_len, cfg.max_prompt_len)
     output = _clamp(rows.output_len, cfg.max_output_len)
+    tokens = int(prompt.sum()) + int(output.sum())
+    if tokens > MAX_WORKLOAD_TOKENS:
+        raise WorkloadError(f"{what}: tokens: the rows' prompt and output tokens must sum to "
+                            f"<= {MAX_WORKLOAD_TOKENS}, set limit or max_prompt_len (got {tokens})")
     return TraceRows(arrival, prompt, output, rows.hash_ids)
 
 

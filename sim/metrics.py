@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sim.slo import Target
+from sim.trace.records import RequestRecord
 
 STATS = ("mean", "std", "p50", "p90", "p99")
 LATENCIES = ("ttft", "tpot", "itl", "e2e", "queue")
@@ -230,3 +231,51 @@ def kv_series_from_rows(steps: pa.Table, rows: pa.Table, tokens_per_block: int) 
                      "blocks_used": steps.column("blocks_used"),
                      "blocks_reserved_draft": pa.array(draft, pa.float64()),
                      "blocks_cached": steps.column("blocks_cached")})
+
+
+class LatencyTally:
+    """TTFT and TPOT of finished requests, kept as requests finish, for a run's summary (its
+    tables may not be collected): 16 bytes per request, nothing else per request."""
+
+    def __init__(self) -> None:
+        self.ttft: list[np.ndarray] = []
+        self.tpot: list[np.ndarray] = []
+        self.finished = 0
+        self.first_arrival, self.last_finish = np.iinfo(np.int64).max, -1
+        self.pending: list[tuple[int, int, int, int, bool]] = []
+
+    def add(self, arrival: np.ndarray, first: np.ndarray, finish: np.ndarray,
+            n_out: np.ndarray, finished: np.ndarray) -> None:
+        """One batch of requests (numpy columns; `finished`: a mask, as `_finished`)."""
+        if len(arrival):
+            self.first_arrival = min(self.first_arrival, int(arrival.min()))
+            self.last_finish = max(self.last_finish, int(finish.max()))
+        a, f, e, n = arrival[finished], first[finished], finish[finished], n_out[finished]
+        self.finished += len(a)
+        self.ttft.append((f - a) / 1e6)
+        multi = n > 1
+        self.tpot.append((e[multi] - f[multi]) / (n[multi] - 1) / 1e6)
+
+    def add_record(self, r: RequestRecord) -> None:
+        """One request of the reference engine; batched into `add` when the summary is made."""
+        self.pending.append((r.arrival_ns, r.first_token_ns, r.finish_ns, len(r.output_tokens),
+                             r.finish_reason in ("length", "max_seq_len")))
+
+    def _flush(self) -> None:
+        if self.pending:
+            cols = np.array(self.pending, np.int64).T
+            self.add(cols[0], cols[1], cols[2], cols[3], cols[4].astype(bool))
+            self.pending = []
+
+    def summary(self, output_tokens: int) -> Metrics:
+        """TTFT/TPOT p50/p99 (ms) and throughput, defined as in `compute_metrics`."""
+        self._flush()
+        out: Metrics = {}
+        for name, parts in (("ttft", self.ttft), ("tpot", self.tpot)):
+            ms = np.concatenate(parts) if parts else np.array([])
+            m = stats(name, ms)
+            out |= {f"{name}_p50_ms": m[f"{name}_p50_ms"], f"{name}_p99_ms": m[f"{name}_p99_ms"]}
+        span_ns = self.last_finish - self.first_arrival
+        span = span_ns / 1e9 if span_ns > 0 else float("nan")
+        return out | {"throughput_rps": self.finished / span,
+                      "output_tps": output_tokens / span}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+import math
 from pathlib import Path
 
 import typer
@@ -10,6 +10,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from sim.cli.common import console, err_console, parse_switches, user_errors
+from sim.cli.report import result_json
 
 
 def register(app: typer.Typer) -> None:
@@ -56,17 +57,21 @@ def run_cmd(
                       base_dir=base, on_progress=lambda k: bar.update(task, completed=k),
                       engine=engine, collect=False)  # summary, violations, trace: no tables
     if as_json:
-        console.print_json(json.dumps({"summary": res.summary,
-                                       "violations": [v.message for v in res.violations]}))
+        typer.echo(result_json("run", scenario, res.summary, res.violations))
     else:
         _print(res, profile or sc.profile, max_violations)
     raise typer.Exit(1 if res.violations else 0)
+
+
+def _ms(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:,.2f}"
 
 
 def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-def]
     s = res.summary
     t = Table(title=f"kvsim run · {profile}", show_header=False, title_justify="left")
     rows = [
+        ("engine", f"{s['engine']} · profile {s['profile']}"),
         ("requests", f"{s['requests']} ({s['finished']} finished, {s['rejected']} rejected)"),
         ("steps", f"{s['steps']}"),
         ("tokens", f"{s['prompt_tokens']} prompt ({s['reused_tokens']} reused), "
@@ -76,6 +81,10 @@ def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-de
         ("peak KV", f"{s['peak_kv_blocks']} / {s['num_blocks']} blocks"),
         ("preemptions", f"{s['preemptions']}"),
         ("simulated time", f"{s['sim_time_ns'] / 1e9:.3f} s"),
+        ("TTFT p50 / p99", f"{_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p99_ms'])} ms"),
+        ("TPOT p50 / p99", f"{_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p99_ms'])} ms"),
+        ("throughput", f"{_ms(s['throughput_rps'])} req/s, {_ms(s['output_tps'])} output "
+                       "tok/s (simulated time)"),
         ("violations", f"{s['violations']}"),
     ]
     if res.trace_dir is not None:

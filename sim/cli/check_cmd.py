@@ -25,8 +25,8 @@ def check_cmd(
     limit: int = typer.Option(20, help="Violations to print (text mode)."),
     reference: bool = typer.Option(
         False, "--reference",
-        help="Check with the Python StepChecker alone (the oracle; ~1-2 ms per step) instead "
-             "of the compiled checker, which words what it finds through StepChecker anyway."),
+        help="Check with the Python StepChecker alone (the oracle, much slower) instead of "
+             "the compiled checker, which words what it finds through StepChecker anyway."),
 ) -> None:
     """Re-check a trace. Exit 0: clean; 1: violations; 2: not a readable, complete trace."""
     from sim.check.compiled import check_trace_compiled

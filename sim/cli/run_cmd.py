@@ -9,6 +9,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sim.cli.choices import Engine
 from sim.cli.common import console, err_console, parse_switches, user_errors
 from sim.cli.report import result_json
 
@@ -27,11 +28,12 @@ def run_cmd(
                                      help="Override one behaviour switch: NAME=VALUE."),
     no_check: bool = typer.Option(False, "--no-check",
                                   help="Skip the online invariant checks (capacity runs)."),
-    engine: str = typer.Option(
-        "auto", "--engine", help="auto: the compiled fast engine where it models the scenario "
-        "(no MTP, no overlap, no reuse, simple cost), else the reference engine; fast: "
-        "require it; reference: the pure-Python engine (the oracle; same trace)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    engine: Engine = typer.Option(
+        Engine.auto, "--engine", help="auto: the compiled fast engine where it models the "
+        "scenario (no MTP, no overlap, no reuse, simple cost), else the reference engine; "
+        "fast: require it; reference: the pure-Python engine (the oracle; same trace)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary and violations as "
+                                 "one JSON object, the shape `kvsim check --json` prints."),
     max_violations: int = typer.Option(10, help="Violations to print."),
 ) -> None:
     """Simulate a scenario. Exit 0: no invariant fired; 1: one did; 2: bad input."""
@@ -55,7 +57,7 @@ def run_cmd(
             task = bar.add_task(f"simulating {scenario.name}", total=None)
             res = run(sc, out=out, check=not no_check, profile=profile, switches=overrides,
                       base_dir=base, on_progress=lambda k: bar.update(task, completed=k),
-                      engine=engine, collect=False)  # summary, violations, trace: no tables
+                      engine=engine.value, collect=False)  # summary, violations, trace: no tables
     if as_json:
         typer.echo(result_json("run", scenario, res.summary, res.violations))
     else:

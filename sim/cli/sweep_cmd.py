@@ -24,8 +24,9 @@ def sweep(sweep_file: Annotated[Path, typer.Argument(help="Sweep TOML file (docs
           workers: Annotated[int, typer.Option(help="Local processes (0: one per CPU).")] = 0,
           address: Annotated[str | None, typer.Option(help="Ray cluster address.")] = None
           ) -> None:
-    """Run every grid point (with a [search], the max QPS under the SLO of each); print one row
-    per point; write DIR/results.parquet (every metric of every point) and DIR/sweep.png."""
+    """Run every grid point (with a search section, the max QPS under the SLO of each); print
+    one row per point; write DIR/results.parquet (every metric of every point) and
+    DIR/sweep.png."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from sim.sweep import load_sweep, run_sweep

@@ -71,3 +71,36 @@ def test_fast_engine_is_named(tmp_path) -> None:
     assert (s["engine"], ref["engine"]) == ("fast", "reference")
     assert {k: v for k, v in s.items() if k != "engine"} == \
         {k: v for k, v in ref.items() if k != "engine"}
+
+
+def test_version_names_the_package_and_the_trace_format() -> None:
+    from importlib.metadata import version
+
+    from sim.trace.records import FORMAT_VERSION
+
+    r = kvsim("--version")
+    assert r.exit_code == 0
+    assert r.output == f"kvsim {version('kvsim')} (trace format {FORMAT_VERSION}; reads 1, 2, 3)\n"
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["run", WORKED, "--engine", "quick"],
+     "error: kvsim run: Invalid value for '--engine': 'quick' is not one of 'auto', 'fast', "
+     "'reference'. (see kvsim run --help)"),
+    (["replay", ".", "--backend", "gpu"],
+     "error: kvsim replay: Invalid value for '--backend': 'gpu' is not one of 'flashinfer', "
+     "'reference'. (see kvsim replay --help)"),
+    (["run", WORKED, "--bogus"],
+     "error: kvsim run: No such option: --bogus (Possible options: --out) "
+     "(see kvsim run --help)"),
+    (["run"], "error: kvsim run: Missing argument 'scenario'. (see kvsim run --help)"),
+    (["frobnicate"], "error: kvsim: No such command 'frobnicate'. (see kvsim --help)")])
+def test_usage_errors_are_one_line_exit_2(argv, line) -> None:
+    r = kvsim(*argv)
+    assert (r.exit_code, r.output) == (2, line + "\n")
+
+
+def test_closed_choices_are_listed_in_help() -> None:
+    assert "auto|fast|reference" in kvsim("run", "--help").output
+    replay = kvsim("replay", "--help").output
+    assert "flashinfer|refere" in replay and "incremental|full" in replay

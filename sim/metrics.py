@@ -98,17 +98,24 @@ def inter_token_latencies(requests: pa.Table, rows: pa.Table, steps: pa.Table) -
     fin = _col(done, "finish_ns").astype(np.int64)[order]
     gen = rows.filter(pc.and_(pc.equal(rows.column("phase"), "gen"),
                               pc.greater(rows.column("new_tokens"), 0)))
-    step_ids, t_end = _col(steps, "step").astype(np.int64), _col(steps, "t_dev_end_ns")
-    by_step = np.argsort(step_ids)
-    at = by_step[np.searchsorted(step_ids, _col(gen, "step").astype(np.int64), sorter=by_step)]
-    req, t = _col(gen, "request").astype(np.int64), t_end[at].astype(np.int64)
+    req, t = _col(gen, "request").astype(np.int64), _at(steps, _col(gen, "step"))
     k = np.clip(np.searchsorted(rid, req), 0, max(len(rid) - 1, 0))
     known = (rid[k] == req) if len(rid) else np.zeros(len(req), bool)
-    keep = known & (t > first[k]) & (t <= fin[k])
+    keep = known & (t >= 0) & (t > first[k]) & (t <= fin[k])
     req, t = np.concatenate([rid, req[keep]]), np.concatenate([first, t[keep]])
     pairs = np.unique(np.stack([req, t], axis=1), axis=0)  # sorted by request, then time
     same = pairs[1:, 0] == pairs[:-1, 0]
     return (np.diff(pairs[:, 1])[same] / 1e6).astype(np.float64)
+
+
+def _at(steps: pa.Table, step: np.ndarray) -> np.ndarray:
+    """t_dev_end_ns of each of `step`, −1 for a step the table does not have."""
+    ids, t_end = _col(steps, "step").astype(np.int64), _col(steps, "t_dev_end_ns")
+    if not len(ids):
+        return np.full(len(step), -1, np.int64)
+    order = np.argsort(ids)
+    i = order[np.clip(np.searchsorted(ids, step, sorter=order), 0, len(ids) - 1)]
+    return np.where(ids[i] == step, t_end[i], -1).astype(np.int64)
 
 
 def compute_metrics(requests: pa.Table, steps: pa.Table, kv_series: pa.Table | None = None, *,

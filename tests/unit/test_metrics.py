@@ -91,9 +91,9 @@ def test_itl_is_the_gaps_between_deliveries() -> None:
         "first_token_ns": [10, 10, 10], "finish_ns": [40, 30, -1],
         "finish_reason": ["length", "max_seq_len", "unfinished"]})
     steps = pa.table({"step": [0, 1, 2, 3], "t_dev_end_ns": [10 * MS, 30 * MS, 40 * MS, 50 * MS]})
-    rows = pa.table({"step": [0, 1, 2, 3, 1, 1, 2], "request": [0, 0, 0, 0, 1, 2, 2],
-                     "phase": ["ctx", "gen", "gen", "gen", "gen", "gen", "gen"],
-                     "new_tokens": [5, 2, 1, 1, 1, 1, 1]})
+    rows = pa.table({"step": [0, 1, 2, 3, 1, 1, 2, 9], "request": [0, 0, 0, 0, 1, 2, 2, 0],
+                     "phase": ["ctx", "gen", "gen", "gen", "gen", "gen", "gen", "gen"],
+                     "new_tokens": [5, 2, 1, 1, 1, 1, 1, 1]})  # step 9 is not in the table
     req = req.set_column(3, "first_token_ns", pa.array([10 * MS] * 3))
     req = req.set_column(4, "finish_ns", pa.array([40 * MS, 30 * MS, -1]))
     assert inter_token_latencies(req, rows, steps).tolist() == [20.0, 10.0, 20.0]

@@ -16,6 +16,7 @@ step series: each sample holds until the next launch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -274,15 +275,17 @@ class LatencyTally:
             self.add(cols[0], cols[1], cols[2], cols[3], cols[4].astype(bool))
             self.pending = []
 
-    def summary(self, output_tokens: int) -> Metrics:
-        """TTFT/TPOT p50/p99 (ms) and throughput, defined as in `compute_metrics`."""
+    def summary(self, output_tokens: int) -> dict[str, float | None]:
+        """TTFT/TPOT p50/p99 (ms) and throughput, defined as in `compute_metrics`; None where
+        there is nothing to measure (no finished request, none with two outputs): the summary
+        goes into the manifest, JSON, which has no NaN."""
         self._flush()
-        out: Metrics = {}
+        out: dict[str, float] = {}
         for name, parts in (("ttft", self.ttft), ("tpot", self.tpot)):
-            ms = np.concatenate(parts) if parts else np.array([])
-            m = stats(name, ms)
-            out |= {f"{name}_p50_ms": m[f"{name}_p50_ms"], f"{name}_p99_ms": m[f"{name}_p99_ms"]}
+            m = stats(name, np.concatenate(parts) if parts else np.array([]))
+            out |= {f"{name}_p50_ms": float(m[f"{name}_p50_ms"]),
+                    f"{name}_p99_ms": float(m[f"{name}_p99_ms"])}
         span_ns = self.last_finish - self.first_arrival
         span = span_ns / 1e9 if span_ns > 0 else float("nan")
-        return out | {"throughput_rps": self.finished / span,
-                      "output_tps": output_tokens / span}
+        out |= {"throughput_rps": self.finished / span, "output_tps": output_tokens / span}
+        return {k: None if math.isnan(v) else v for k, v in out.items()}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import typer
@@ -65,8 +64,8 @@ def run_cmd(
     raise typer.Exit(1 if res.violations else 0)
 
 
-def _ms(v: float) -> str:
-    return "-" if math.isnan(v) else f"{v:,.2f}"
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.2f}"
 
 
 def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-def]

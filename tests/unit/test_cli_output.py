@@ -104,3 +104,15 @@ def test_closed_choices_are_listed_in_help() -> None:
     assert "auto|fast|reference" in kvsim("run", "--help").output
     replay = kvsim("replay", "--help").output
     assert "flashinfer|refere" in replay and "incremental|full" in replay
+
+
+def test_nothing_to_measure_is_null_not_nan(tmp_path) -> None:
+    """One request with one output has no TPOT: the summary (and the manifest, JSON) says
+    null, the table '-'; NaN made the engines' summaries unequal and the manifest not JSON."""
+    sc = tmp_path / "s.toml"
+    sc.write_text('[workload]\nrequests = [{ arrival_ns = 0, prompt_len = 4, output_len = 1 }]\n')
+    out = json.loads(kvsim("run", str(sc), "--json", "--out", str(tmp_path / "t")).output)
+    assert out["summary"]["tpot_p50_ms"] is None and out["summary"]["ttft_p50_ms"] > 0
+    manifest = (tmp_path / "t" / "manifest.json").read_text()
+    assert "NaN" not in manifest and json.loads(manifest)["summary"]["tpot_p99_ms"] is None
+    assert "TPOT p50 / p99 │ - / - ms" in kvsim("run", str(sc)).output

@@ -116,3 +116,20 @@ def test_nothing_to_measure_is_null_not_nan(tmp_path) -> None:
     manifest = (tmp_path / "t" / "manifest.json").read_text()
     assert "NaN" not in manifest and json.loads(manifest)["summary"]["tpot_p99_ms"] is None
     assert "TPOT p50 / p99 │ - / - ms" in kvsim("run", str(sc)).output
+
+
+def test_fuzz_ignore_choices_are_the_registry_s_invariants() -> None:
+    from sim.check.registry import INVARIANTS
+    from sim.cli.choices import Ignorable
+
+    assert [i.value for i in Ignorable] == [*INVARIANTS, "LIVENESS", "hang", "crash"]
+    r = kvsim("fuzz", "--profile", "trtllm-post-17264", "--ignore", "I99")
+    assert r.exit_code == 2 and r.output.startswith(
+        "error: kvsim fuzz: Invalid value for '--ignore': 'I99' is not one of 'I1',")
+
+
+def test_metrics_block_shows_every_statistic() -> None:
+    from sim.cli import metrics_cmd
+    from sim.metrics import STATS
+
+    assert metrics_cmd.STATS == STATS

@@ -10,15 +10,17 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from sim.check import StepChecker
 from sim.check.compiled import CompiledChecker
 from sim.check.compiled.records import feed_records
-from sim.check.registry import LAUNCH_ORDER
+from sim.check.registry import causal_key
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
 from sim.errors import ProfileError, ScenarioError
 from sim.fast import Chunk, FastEngine, StepStream, request_records, supports
+from sim.metrics import LatencyTally
 from sim.profiles import Switches, resolve_profile
 from sim.trace.records import BlockEvent, RequestRecord, RowRecord, StepRecord, Violation
 from sim.trace.schema import ROW_OF, SCHEMAS
@@ -76,6 +78,7 @@ class _Sink:
         self.requests: list[RequestRecord] = []
         self.violations: list[Violation] = []
         self.peak_blocks = 0
+        self.latency = LatencyTally()  # the summary's TTFT/TPOT, kept even without `collect`
         self.stream = StepStream()
         self.pending: list[tuple[StepRecord, list[RowRecord], list[BlockEvent]]] = []
         self.pending_rows = 0
@@ -127,6 +130,11 @@ class _Sink:
             self.kv.extend(zip(st["t_launch_ns"].tolist(), st["blocks_used"].tolist(),
                                (ch.spare_slots / self.B).tolist(),
                                st["blocks_cached"].tolist(), strict=True))
+        rq = ch.requests
+        n_out = np.diff(rq["output_tokens"][0])  # type: ignore[index]
+        done = pc.is_in(rq["finish_reason"], pa.array(["length", "max_seq_len"]))
+        self.latency.add(rq["arrival_ns"], rq["first_token_ns"], rq["finish_ns"],  # type: ignore[arg-type]
+                         n_out, done.to_numpy(zero_copy_only=False))
         if self.collect:
             self.requests.extend(request_records(ch))
         steps = ch.steps["step"]
@@ -147,6 +155,7 @@ class _Sink:
             self.kv.append((step.t_launch_ns, step.blocks_used, spare, step.blocks_cached))
 
     def on_request(self, rec: RequestRecord) -> None:
+        self.latency.add_record(rec)
         if self.writer is not None:
             self.writer.add("requests", rec)
         if self.collect:
@@ -251,9 +260,9 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
         sink.flush_records()
         if compiled is not None and (found := compiled.finish()):
             sink.violations = _worded(sc, sw, model, base_dir, fast, found)
-        violations = sorted(raised + sink.violations, key=_order)
+        violations = sorted(raised + sink.violations, key=causal_key)
         summary = _summary(*state, sink, violations)
-        summary["engine"] = "fast" if fast else "reference"
+        summary |= {"engine": "fast" if fast else "reference", "profile": name}
         trace_dir = None
         if writer is not None:
             manifest = {"kvsim_version": kvsim_version(), "scenario": sc.model_dump(mode="json"),
@@ -268,14 +277,6 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
                      _table("requests", [ROW_OF["requests"](r) for r in
                                          sorted(sink.requests, key=lambda x: x.request)]),
                      _kv_table(sink.kv), trace_dir, sw, source)
-
-
-_RANK = {inv: i for i, inv in enumerate(("I19", "LIVENESS") + LAUNCH_ORDER + ("I17", "I18"))}
-
-
-def _order(v: Violation) -> tuple[int, int, int]:
-    """Step first, then the checker's order, in which the first invariant is the root cause."""
-    return v.step, _RANK.get(v.invariant, len(_RANK)), v.request
 
 
 def _supported(sc: Scenario, sw: Switches, name: str) -> None:
@@ -339,4 +340,4 @@ def _summary(t: dict, steps: int, num_usable: int, now: int, sink: _Sink,
         "num_blocks": num_usable,
         "violations": len(violations),
         "sim_time_ns": now,
-    }
+    } | sink.latency.summary(t["output_tokens"])

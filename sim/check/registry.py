@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from sim.trace.records import Violation
+
 INVARIANTS: dict[str, str] = {
     "I1": "reservation covers reach: committed + q_len <= C and ceil(C/B) blocks are allocated",
     "I2": "exposed pages cover every access: max append pos < nb*B and kernel kv_len <= nb*B",
@@ -26,3 +28,14 @@ INVARIANTS: dict[str, str] = {
 # Order in which one launch reports, so the most specific sign of each catalog fault comes first
 LAUNCH_ORDER = ("I14", "I20", "I12", "I1", "I13", "I2", "I3", "I4", "I7", "I9", "I8", "I11",
                 "I16", "I5", "I6", "I10", "POOL")
+
+# Order across one step: what admission found (its cause precedes the launch), the launch's
+# own order, then what processing the step's results found (frees, the host's estimate).
+CAUSAL_ORDER = ("I19", "LIVENESS") + LAUNCH_ORDER + ("I17", "I18")
+_RANK = {inv: i for i, inv in enumerate(CAUSAL_ORDER)}
+
+
+def causal_key(v: Violation) -> tuple[int, int, int]:
+    """Sort key of a violation: step first, then CAUSAL_ORDER, in which the first invariant
+    that fires is the root cause, then request. `run` and `check` list violations by it."""
+    return v.step, _RANK.get(v.invariant, len(_RANK)), v.request

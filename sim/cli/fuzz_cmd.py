@@ -14,6 +14,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
+from sim.cli.choices import Ignorable
 from sim.cli.common import console, err_console, fail, user_errors
 
 
@@ -36,7 +37,7 @@ def fuzz_cmd(
     db: Path = typer.Option(None, "--db",
                             help="Example database folder; rerun with it to resume "
                                  "(saved failures replay first). Default: .hypothesis/kvsim-fuzz."),
-    ignore: list[str] = typer.Option([], "--ignore",
+    ignore: list[Ignorable] = typer.Option([], "--ignore",  # noqa: B008
                                      help="Invariant (or 'hang'/'crash') not to count: a known "
                                           "bug the campaign should look past. Repeatable."),
     baseline: str = typer.Option(None, "--baseline",
@@ -47,7 +48,8 @@ def fuzz_cmd(
     """Search generated scenarios for an invariant violation under PROFILE."""
     from sim.fuzz.parallel import run_campaign
 
-    cfg = _validate(profile, budget, seed, out, force, workers, db, ignore, baseline)
+    cfg = _validate(profile, budget, seed, out, force, workers, db, [i.value for i in ignore],
+                    baseline)
     with user_errors():
         if as_json or not err_console.is_terminal:
             finding, prog = run_campaign(cfg)

@@ -27,6 +27,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from sim.cli.choices import Backend, Watch
 from sim.cli.common import err_console, user_errors
 from sim.cli.options import check_tolerance, check_workers
 from sim.errors import KvsimError
@@ -39,7 +40,8 @@ def register(app: typer.Typer) -> None:
     @app.command("replay")
     def replay_cmd(
         trace_dir: Path = typer.Argument(..., help="trace directory written by `kvsim run`"),
-        backend: str = typer.Option("flashinfer", help="flashinfer (GPU) or reference (CPU)"),
+        backend: Backend = typer.Option(Backend.flashinfer,
+                                        help="flashinfer (GPU) or reference (CPU)"),
         isolate: bool = typer.Option(False, help="run in a child process; a CUDA fault is "
                                                  "pinned on its step and the replay carries on"),
         sanitize: bool = typer.Option(False, help="re-run under compute-sanitizer memcheck "
@@ -50,22 +52,20 @@ def register(app: typer.Typer) -> None:
                                    "earlier kvsim replay's."),
         tol: float | None = typer.Option(None, help="max |out - ref| of an ok row (default "
                                                     "2e-2, see docs/gpu.md)"),
-        watch: str = typer.Option("incremental", help="how writes to pages no append aimed at "
-                                  "are found: incremental (the pages each step's appends target, "
-                                  "the whole pool every 16 steps; if a page changed elsewhere, "
-                                  "the trace is replayed again with full) or full (the whole "
-                                  "pool every step). The same verdicts; incremental reads a "
-                                  "third fewer bytes per step. --isolate uses incremental"),
+        watch: Watch = typer.Option(
+            Watch.incremental, help="how writes to pages no append aimed at are found: "
+            "incremental (the pages each step's appends target, the whole pool every 16 steps; "
+            "if a page changed elsewhere, the trace is replayed again with full) or full (the "
+            "whole pool every step). The same verdicts; incremental reads a third fewer bytes "
+            "per step. --isolate uses incremental"),
         eager: bool = typer.Option(False, help="launch every step's kernels one by one; by "
                                    "default a steady MTP step (one FA2 launch over rows of one "
                                    "width) replays as a CUDA graph: the same kernels and "
-                                   "verdicts, 1.2-2x less wall time a step at batch 64 x kv 2k "
-                                   "on the H200"),
+                                   "verdicts in less wall time (docs/gpu.md)"),
         prepare_workers: int | None = typer.Option(
             None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
-            "(default 0: the loop prepares them itself). The same verdicts. They cost a fixed "
-            "~0.1 s and no longer pay: on the H200 a 64 x kv 2k replay took 1.2-1.7x the time "
-            "with 4 of them at 256 and 512 steps, 1.5x at 64 x kv 4k"),
+            "(default 0: the loop prepares them itself). The same verdicts; they start slower "
+            "and rarely pay (docs/gpu.md)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()
@@ -74,13 +74,11 @@ def register(app: typer.Typer) -> None:
                 check_out(json_out, Kind.REPLAY, force, "--json")
         if sanitize:
             _reexec_sanitized()
-        if watch not in ("incremental", "full"):
-            console.print(f"[red]error:[/red] --watch {watch!r}: choose incremental or full")
-            raise typer.Exit(2)
         try:
             check_tolerance(tol)
             check_workers(prepare_workers, "--prepare-workers")
-            res = _run(trace_dir, backend, isolate, tol, watch, not eager, prepare_workers)
+            res = _run(trace_dir, backend.value, isolate, tol, watch.value, not eager,
+                       prepare_workers)
         except KvsimError as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None

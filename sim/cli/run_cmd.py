@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from sim.cli.choices import Engine
 from sim.cli.common import console, err_console, parse_switches, user_errors
 from sim.cli.options import check_count, check_seed
+from sim.cli.report import result_json
 
 
 def register(app: typer.Typer) -> None:
@@ -30,14 +31,15 @@ def run_cmd(
                                      help="Override one behaviour switch: NAME=VALUE."),
     no_check: bool = typer.Option(False, "--no-check",
                                   help="Skip the online invariant checks (capacity runs)."),
-    engine: str = typer.Option(
-        "auto", "--engine", help="auto: the compiled fast engine where it models the scenario "
-        "(no MTP, no overlap, no reuse, simple cost), else the reference engine; fast: "
-        "require it; reference: the pure-Python engine (the oracle; same trace)."),
+    engine: Engine = typer.Option(
+        Engine.auto, "--engine", help="auto: the compiled fast engine where it models the "
+        "scenario (no MTP, no overlap, no reuse, simple cost), else the reference engine; "
+        "fast: require it; reference: the pure-Python engine (the oracle; same trace)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary and violations as "
+                                 "one JSON object, the shape `kvsim check --json` prints."),
     synthetic_workload: bool = typer.Option(
         False, "--synthetic-workload", help="Run the scenario's workload.trace.fallback (a "
         "synthetic stand-in) instead of its trace file; the manifest and summary say so."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
     max_violations: int = typer.Option(10, help="Violations to print."),
 ) -> None:
     """Simulate a scenario. Exit 0: no invariant fired; 1: one did; 2: bad input."""
@@ -67,11 +69,11 @@ def run_cmd(
             task = bar.add_task(f"simulating {scenario.name}", total=None)
             res = run(sc, out=trace, check=not no_check, profile=profile, switches=overrides,
                       base_dir=base, on_progress=lambda k: bar.update(task, completed=k),
-                      engine=engine, collect=False,  # summary, violations, trace: no tables
+                      engine=engine.value, collect=False,  # summary, violations, trace: no tables
                       synthetic_workload=synthetic_workload)
     if as_json:
-        console.print_json(json.dumps({"summary": res.summary | {"workload": res.workload},
-                                       "violations": [v.message for v in res.violations]}))
+        typer.echo(result_json("run", scenario, res.summary | {"workload": res.workload},
+                               res.violations))
     else:
         _print(res, profile or sc.profile, max_violations)
     raise typer.Exit(1 if res.violations else 0)
@@ -85,10 +87,15 @@ def _source(w: dict) -> str:
     return "synthetic" if w["source"] == "synthetic" else f"{w['requests']} explicit requests"
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:,.2f}"
+
+
 def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-def]
     s = res.summary
     t = Table(title=f"kvsim run · {profile}", show_header=False, title_justify="left")
     rows = [
+        ("engine", f"{s['engine']} · profile {s['profile']}"),
         ("requests", f"{s['requests']} ({s['finished']} finished, {s['rejected']} rejected)"),
         ("steps", f"{s['steps']}"),
         ("tokens", f"{s['prompt_tokens']} prompt ({s['reused_tokens']} reused), "
@@ -98,6 +105,10 @@ def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-de
         ("peak KV", f"{s['peak_kv_blocks']} / {s['num_blocks']} blocks"),
         ("preemptions", f"{s['preemptions']}"),
         ("simulated time", f"{s['sim_time_ns'] / 1e9:.3f} s"),
+        ("TTFT p50 / p99", f"{_ms(s['ttft_p50_ms'])} / {_ms(s['ttft_p99_ms'])} ms"),
+        ("TPOT p50 / p99", f"{_ms(s['tpot_p50_ms'])} / {_ms(s['tpot_p99_ms'])} ms"),
+        ("throughput", f"{_ms(s['throughput_rps'])} req/s, {_ms(s['output_tps'])} output "
+                       "tok/s (simulated time)"),
         ("violations", f"{s['violations']}"),
         ("workload", _source(res.workload)),
     ]

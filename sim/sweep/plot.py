@@ -14,7 +14,10 @@ NO_PLOT = "no plot: matplotlib is not installed (pip install 'kvsim[plot]')"
 
 
 def headline(spec: SweepSpec) -> str:
-    return "max_qps" if spec.search is not None else "goodput_rps"
+    """The one number a grid point answers: max QPS under the SLO, goodput, or throughput."""
+    if spec.search is not None:
+        return "max_qps"
+    return "goodput_rps" if spec.slo.root else "throughput_rps"
 
 
 def plot_sweep(table: pa.Table, spec: SweepSpec, path: Path) -> Path | None:
@@ -39,10 +42,8 @@ def plot_sweep(table: pa.Table, spec: SweepSpec, path: Path) -> Path | None:
             ax.plot(xs, [v for _, v in pts], marker="o", label=label)
         ax.set_xlabel(keys[0][5:])
         ax.legend(fontsize=7)
-    slo = spec.slo
     ax.set_ylabel(y)
-    ax.set_title(f"{y} (SLO p99 TTFT ≤ {slo.ttft_p99_ms} ms, TPOT ≤ {slo.tpot_p99_ms} ms)",
-                 fontsize=9)
+    ax.set_title(f"{y} (SLO: {spec.slo})", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")

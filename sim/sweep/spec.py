@@ -1,9 +1,9 @@
 """The sweep file: a base scenario, a grid of dotted field paths → values, an optional search.
 
     base = "llama8b_h200_base.toml"          # relative to this file
-    [slo]                                    # goodput, and the search's pass criterion
-    ttft_p99_ms = 500
-    tpot_p99_ms = 10
+    [slo]                                    # the search's pass criterion, and goodput
+    ttft_p99_ms = 500                        # <metric>_<stat>_ms: ttft, tpot, itl, e2e ×
+    tpot_p99_ms = 10                         #   mean, p50, p90, p99 (sim/slo.py)
     [grid]
     "spec.max_draft_len" = [1, 2, 3]
     "overlap.enabled" = [true, false]
@@ -21,11 +21,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, RootModel, ValidationError, model_validator
 
 from sim.errors import ScenarioError
 from sim.inputs import MAX_DEPTH, load_toml, shown
 from sim.numbers import Float, Int
+from sim.slo import Target, check_bound, split_key, targets
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 MAX_GRID_POINTS = 4096
@@ -33,10 +34,29 @@ MAX_SWEEP_BYTES = 2**20
 MAX_MS = 1e9  # an SLO of more than eleven days is a typo
 
 
-class Slo(BaseModel):
-    model_config = _STRICT
-    ttft_p99_ms: Float | None = Field(default=None, gt=0, le=MAX_MS)
-    tpot_p99_ms: Float | None = Field(default=None, gt=0, le=MAX_MS)
+class Slo(RootModel[dict[str, Any]]):
+    """`[slo]`: `<metric>_<stat>_ms = bound` (sim/slo.py), e.g. `ttft_p99_ms = 500`,
+    `itl_mean_ms = 15`; every one must hold for a run to pass."""
+
+    model_config = ConfigDict(frozen=True)
+    root: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _keys(self) -> Slo:
+        for k, v in self.root.items():
+            try:
+                split_key(k)
+                if check_bound(v) > MAX_MS:  # more than eleven days is a typo
+                    raise ValueError(f"a bound in ms, at most {MAX_MS:g} (got {shown(v)})")
+            except ValueError as e:
+                raise ValueError(f"slo.{k}: {e}") from None
+        return self
+
+    def targets(self) -> list[Target]:
+        return targets(self.root)
+
+    def __str__(self) -> str:
+        return ", ".join(map(str, self.targets())) or "no SLO"
 
 
 class Search(BaseModel):
@@ -73,8 +93,8 @@ class SweepSpec(BaseModel):
                              f"(got {points})")
         if self.search is not None and self.search.param in self.grid:
             raise ValueError(f"grid.{self.search.param}: is the search parameter")
-        if self.search is not None and not (self.slo.ttft_p99_ms or self.slo.tpot_p99_ms):
-            raise ValueError("slo: a search needs slo.ttft_p99_ms and/or slo.tpot_p99_ms")
+        if self.search is not None and not self.slo.root:
+            raise ValueError("slo: a search needs at least one SLO, e.g. slo.ttft_p99_ms = 500")
         return self
 
     def points(self) -> list[dict[str, Any]]:
@@ -94,8 +114,12 @@ def load_sweep(path: str | Path) -> tuple[SweepSpec, Path]:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if msg.startswith(f"{loc}."):  # the message names the field inside loc itself
+            loc = ""
         got = err.get("input")
         tail = "" if isinstance(got, dict | list) or got is None else f" (got {shown(got)})"
+        if "(got " in msg:
+            tail = ""
         raise ScenarioError((f"{p}: {loc}: {msg}" if loc else f"{p}: {msg}") + tail) from None
     return spec, (p.resolve().parent / spec.base)
 

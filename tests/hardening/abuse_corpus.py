@@ -428,8 +428,8 @@ def flag_cases(root: Path) -> Iterator[AbuseCase]:
         ([*fuzz, "--seed", "-1"], "--seed", False),
         *[(["sweep", str(sweep), "--out", str(out), "--workers", v], "--workers", v != "-1")
           for v in ("1000000", "-1", "257")],
-        *[(["metrics", missing, flag, v], flag, False)
-          for flag in ("--slo-ttft-ms", "--slo-tpot-ms")
+        *[(["metrics", missing, "--slo", f"{metric}:p99={v}"], "--slo", False)
+          for metric in ("ttft", "tpot")
           for v in ("nan", "inf", "-inf", "-1", "0", "1e10")],
         (["check", missing, "--limit", "-1"], "--limit", False),
         *[(["replay", missing, "--tol", v], "--tol", False) for v in ("nan", "inf", "-1")],

@@ -76,7 +76,7 @@ def test_a_disagreement_is_reported_and_stepchecker_wins(monkeypatch):
 
 def _check(*argv: str):
     r = CliRunner().invoke(app, ["check", *argv, "--json"])
-    return r.exit_code, [json.loads(line) for line in r.output.splitlines() if line]
+    return r.exit_code, json.loads(r.output)["violations"]
 
 
 def test_kvsim_check_screens_with_the_compiled_checker(tmp_path, monkeypatch):

@@ -188,8 +188,8 @@ def test_option_ranges() -> None:
         with pytest.raises(OptionError, match="--budget: seconds in"):
             check_seconds(bad, "--budget")
     for bad in (float("nan"), -1.0, 0.0):
-        with pytest.raises(OptionError, match="--slo-ttft-ms: milliseconds"):
-            check_ms(bad, "--slo-ttft-ms")
+        with pytest.raises(OptionError, match="--slo: milliseconds"):
+            check_ms(bad, "--slo")
 
 
 def _error(fn, *args) -> str:  # type: ignore[no-untyped-def]

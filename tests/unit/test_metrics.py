@@ -6,7 +6,16 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from sim.metrics import compute_metrics, kv_series_from_rows, trace_metrics
+from sim.metrics import (
+    compute_metrics,
+    inter_token_latencies,
+    kv_series_from_rows,
+    load_trace_tables,
+    request_latencies,
+    stats,
+    trace_metrics,
+)
+from sim.slo import Target
 
 MS = 1_000_000
 
@@ -43,13 +52,51 @@ def test_latency_percentiles() -> None:
 
 
 def test_throughput_and_goodput() -> None:
-    m = compute_metrics(requests_table(), steps_table(), slo_ttft_ms=49.5, slo_tpot_ms=2.0)
+    slo = [Target("ttft", "p99", 49.5), Target("tpot", "p50", 2.0)]
+    m = compute_metrics(requests_table(), steps_table(), slo=slo)
     span = (2 * 100 + 20) / 1000  # first arrival 0 to the last finish (request 100) 220 ms
     assert m["duration_s"] == pytest.approx(span)
     assert m["throughput_rps"] == pytest.approx(100 / span)
     assert m["output_tps"] == pytest.approx(101 * 11 / span)
+    # prompts of the 100 admitted requests (the rejected one's are not processed) + outputs
+    assert m["total_tps"] == pytest.approx((100 * 100 + 101 * 11) / span)
     assert m["goodput_rps"] == pytest.approx(50 / span)  # TTFT 0..49 ms meet the SLO
     assert m["slo_attainment"] == pytest.approx(50 / 101)
+    assert m["slo_met"] is False  # p99 TTFT is 98.01 ms
+
+
+def test_no_slo_claims_no_goodput() -> None:
+    m = compute_metrics(requests_table(), steps_table())
+    assert not {"goodput_rps", "slo_attainment", "slo_met"} & set(m)
+
+
+def test_stats_agree_with_numpy() -> None:
+    rng = np.random.default_rng(5)
+    ms = rng.lognormal(2.0, 0.7, 997)
+    got = stats("x", ms)
+    assert got == {"x_mean_ms": pytest.approx(np.mean(ms)), "x_std_ms": pytest.approx(np.std(ms)),
+                   "x_p50_ms": pytest.approx(np.median(ms)),
+                   "x_p90_ms": pytest.approx(np.percentile(ms, 90)),
+                   "x_p99_ms": pytest.approx(np.percentile(ms, 99))}
+    assert got["x_std_ms"] != pytest.approx(np.std(ms, ddof=1))  # population std, as vLLM
+
+
+def test_itl_is_the_gaps_between_deliveries() -> None:
+    """Request 0: first token at 10, gen rows end at 30 and 40 (2 and 1 new tokens), a row at
+    50 after its finish (a step launched before the host knew) and a ctx row. Request 1: one
+    gen row at 30. Request 2 is unfinished: none of its gaps count."""
+    req = pa.table({
+        "request": [0, 1, 2], "arrival_ns": [0, 0, 0],
+        "output_tokens": pa.array([[1] * 4, [1] * 2, [1] * 2], pa.list_(pa.int32())),
+        "first_token_ns": [10, 10, 10], "finish_ns": [40, 30, -1],
+        "finish_reason": ["length", "max_seq_len", "unfinished"]})
+    steps = pa.table({"step": [0, 1, 2, 3], "t_dev_end_ns": [10 * MS, 30 * MS, 40 * MS, 50 * MS]})
+    rows = pa.table({"step": [0, 1, 2, 3, 1, 1, 2, 9], "request": [0, 0, 0, 0, 1, 2, 2, 0],
+                     "phase": ["ctx", "gen", "gen", "gen", "gen", "gen", "gen", "gen"],
+                     "new_tokens": [5, 2, 1, 1, 1, 1, 1, 1]})  # step 9 is not in the table
+    req = req.set_column(3, "first_token_ns", pa.array([10 * MS] * 3))
+    req = req.set_column(4, "finish_ns", pa.array([40 * MS, 30 * MS, -1]))
+    assert inter_token_latencies(req, rows, steps).tolist() == [20.0, 10.0, 20.0]
 
 
 def test_tokens_reuse_acceptance() -> None:
@@ -98,7 +145,7 @@ def test_trace_metrics_of_a_real_trace(tmp_path) -> None:
     from sim.errors import TraceError
 
     try:
-        m = trace_metrics(res.trace_dir, slo_ttft_ms=1e9, slo_tpot_ms=1e9)
+        m = trace_metrics(res.trace_dir, [Target("ttft", "p99", 1e9), Target("tpot", "p99", 1e9)])
     except TraceError as e:  # the trace writer and reader are another helper's, in progress
         if "digest mismatch" not in str(e):
             raise
@@ -109,7 +156,14 @@ def test_trace_metrics_of_a_real_trace(tmp_path) -> None:
     assert m["kv_blocks_peak"] == res.summary["peak_kv_blocks"]
     assert 0 <= m["queue_p99_ms"] <= m["ttft_p99_ms"]
     # the headroom recomputed from rows.parquet is the one run() reported
-    assert m == pytest.approx(trace_metrics(res.trace_dir, 1e9, 1e9))
+    assert m == pytest.approx(trace_metrics(res.trace_dir, [Target("ttft", "p99", 1e9),
+                                                           Target("tpot", "p99", 1e9)]))
+    # a request's delivery gaps sum to its finish − first token, as vLLM's ITLs do
+    _, t = load_trace_tables(res.trace_dir)
+    itl = inter_token_latencies(t["requests"], t["rows"], t["steps"])
+    lat = request_latencies(t["requests"])
+    assert len(itl) > 0 and itl.sum() == pytest.approx((lat["e2e"] - lat["ttft"]).sum())
+    assert m["itl_mean_ms"] == pytest.approx(itl.mean())
     from_run = compute_metrics(res.requests, res.steps, res.kv_series, num_blocks=64)
     assert m["draft_blocks_mean"] == pytest.approx(from_run["draft_blocks_mean"])
 
@@ -121,3 +175,51 @@ def test_metrics_cli(tmp_path) -> None:
 
     r = CliRunner().invoke(app, ["metrics", str(tmp_path / "nope")])
     assert r.exit_code == 2 and "nope" in r.output and "Traceback" not in r.output
+
+
+def small_trace(tmp_path):  # type: ignore[no-untyped-def]
+    from sim.api import parse_scenario, run
+
+    sc = parse_scenario({"workload": {"synthetic": {
+        "num_requests": 6, "qps": 50.0, "prompt_len": {"kind": "constant", "value": 40},
+        "output_len": {"kind": "constant", "value": 9}}}})
+    return run(sc, out=tmp_path / "t").trace_dir
+
+
+def test_metrics_cli_prints_vllm_block_and_claims_no_slo(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from sim.cli import app
+
+    trace = str(small_trace(tmp_path))
+    r = CliRunner().invoke(app, ["metrics", trace])
+    assert r.exit_code == 0, r.output
+    for label in ("Successful requests:", "Request throughput (req/s):",
+                  "Output token throughput (tok/s):", "Total Token throughput (tok/s):",
+                  "Std TTFT (ms):", "P90 TPOT (ms):", "Mean ITL (ms):", "P99 E2E (ms):"):
+        assert label in r.output
+    assert "goodput" not in r.output.lower() and "attainment" not in r.output.lower()
+    r = CliRunner().invoke(app, ["metrics", trace, "--slo", "ttft:p99=1e6ms",
+                                 "--slo", "itl:mean=0.000001"])
+    assert r.exit_code == 0, r.output
+    assert "TTFT p99 ≤ 1e+06 ms (met)" in r.output and "ITL mean ≤ 1e-06 ms (NOT met)" in r.output
+    assert "Request goodput (req/s):" in r.output
+    r = CliRunner().invoke(app, ["metrics", trace, "--json", "--slo", "e2e:p90=1e6"])
+    got = json.loads(r.output)
+    assert got["slo"] == {"e2e_p90_ms": 1e6} and got["slo_met"] is True
+    want = trace_metrics(trace, [Target("e2e", "p90", 1e6)])
+    assert set(got) - {"slo"} == set(want)
+
+
+@pytest.mark.parametrize("flag", ["ttft:p95=200ms", "ttfb:p99=200", "ttft:p99=-1", "ttft=200",
+                                  "tpot:mean=nan"])
+def test_metrics_cli_bad_slo_is_one_line_exit_2(tmp_path, flag) -> None:
+    from typer.testing import CliRunner
+
+    from sim.cli import app
+
+    r = CliRunner().invoke(app, ["metrics", str(tmp_path), "--slo", flag])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.output.strip().splitlines() == [r.output.strip()] and "--slo:" in r.output

@@ -162,7 +162,7 @@ def test_plot_leaves_the_matplotlib_backend_alone(tmp_path) -> None:
     try:
         spec = SweepSpec.model_validate({"base": "b.toml",
                                          "grid": {"spec.max_draft_len": [1, 2]}})
-        table = pa.table({"grid.spec.max_draft_len": [1, 2], "goodput_rps": [1.0, 2.0]})
+        table = pa.table({"grid.spec.max_draft_len": [1, 2], "throughput_rps": [1.0, 2.0]})
         assert plot_sweep(table, spec, tmp_path / "s.png") == tmp_path / "s.png"
         assert (tmp_path / "s.png").stat().st_size > 0 and mpl.get_backend() == "svg"
     finally:
@@ -185,3 +185,51 @@ def test_without_matplotlib_the_sweep_says_no_plot(tmp_path, monkeypatch) -> Non
     assert r.stderr.strip() == NO_PLOT == ("no plot: matplotlib is not installed "
                                            "(pip install 'kvsim[plot]')")
     assert "sweep.png" not in r.stdout and not (tmp_path / "out" / "sweep.png").exists()
+
+
+@pytest.mark.parametrize(("slo", "field"), [
+    ("ttft_p95_ms = 5", "slo.ttft_p95_ms: <metric>_<stat>_ms with metric ttft, tpot, itl, e2e"),
+    ("latency_p99_ms = 5", "slo.latency_p99_ms: <metric>_<stat>_ms"),
+    ("itl_mean_ms = 0", "slo.itl_mean_ms: a bound in ms, a finite number > 0 .got 0."),
+    ("e2e_p50_ms = true", "slo.e2e_p50_ms: a bound in ms"),
+    ("tpot_p90_ms = nan", "slo.tpot_p90_ms: a bound in ms")])
+def test_slo_names_the_bad_field(tmp_path, slo, field) -> None:
+    with pytest.raises(ScenarioError, match=rf"s.toml: {field}"):
+        write(tmp_path, '"overlap.enabled" = [true]', f"[slo]\n{slo}")
+
+
+def test_slo_by_metric_and_statistic(tmp_path) -> None:
+    spec, _ = write(tmp_path, '"overlap.enabled" = [true]',
+                    "[slo]\nitl_p90_ms = 5\ne2e_mean_ms = 300\nttft_p99_ms = 500")
+    assert [t.key for t in spec.slo.targets()] == ["itl_p90_ms", "e2e_mean_ms", "ttft_p99_ms"]
+    assert str(spec.slo) == "ITL p90 ≤ 5 ms, E2E mean ≤ 300 ms, TTFT p99 ≤ 500 ms"
+
+
+def test_the_shipped_sweep_files_still_load() -> None:
+    from pathlib import Path
+
+    for f in sorted((Path(__file__).parents[2] / "sweeps").glob("*.toml")):
+        if "[grid]" in f.read_text():  # a sweep, not one of its base scenarios
+            spec, _ = load_sweep(f)
+            assert [t.key for t in spec.slo.targets()] == ["ttft_p99_ms", "tpot_p99_ms"]
+
+
+@needs_api
+def test_sweep_cli_prints_max_qps_per_point(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from sim.cli import app
+
+    search = "[slo]\nttft_p99_ms = 6\nitl_p90_ms = 50\n[search]\nlo = 0.5\nhi = 500.0\niters = 2"
+    write(tmp_path, '"overlap.enabled" = [true, false]', search)
+    r = CliRunner().invoke(app, ["sweep", str(tmp_path / "s.toml"), "--out",
+                                 str(tmp_path / "out"), "--workers", "1"])
+    assert r.exit_code == 0, r.output
+    rows = pq.read_table(tmp_path / "out" / "results.parquet").to_pylist()
+    lines = r.output.splitlines()
+    assert "max QPS under SLO · TTFT p99 ≤ 6 ms, ITL p90 ≤ 50 ms" in r.output
+    assert "ITL p90" in r.output and "TTFT p99" in r.output
+    for row, flag in zip(rows, ("True", "False"), strict=True):
+        line = next(x for x in lines if f"│ {flag} " in x)
+        assert f"{row['max_qps']:,.2f}" in line and f"{row['itl_p90_ms']:,.2f}" in line
+    assert lines[-2].startswith(f"{tmp_path / 'out' / 'results.parquet'}: 2 points")

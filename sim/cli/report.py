@@ -1,0 +1,25 @@
+"""The one JSON shape of `kvsim run --json` and `kvsim check --json` (docs/checking.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+from sim.trace.records import Violation
+
+
+def _plain(v: object) -> object:
+    return None if isinstance(v, float) and math.isnan(v) else v  # JSON has no NaN
+
+
+def result_json(command: str, source: Path, summary: dict, violations: Iterable[Violation]
+                ) -> str:
+    """`{"command", "source", "summary": {...}, "violations": [{"step", "request",
+    "invariant", "message"}, ...]}`; `source` is the scenario run or the trace checked."""
+    return json.dumps({
+        "command": command, "source": str(source),
+        "summary": {k: _plain(v) for k, v in summary.items()},
+        "violations": [{"step": v.step, "request": v.request, "invariant": v.invariant,
+                        "message": v.message} for v in violations]}, indent=2)

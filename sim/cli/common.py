@@ -42,6 +42,9 @@ def user_errors() -> Iterator[None]:
             _interrupted()
         if isinstance(e, KvsimError):
             fail(str(e))
+        if isinstance(e, MemoryError):  # past every input limit: still one line, not a trace
+            fail("out of memory: the input asks for more than this machine has; make it "
+                 "smaller (docs/hardening.md lists the limits)")
         raise
 
 

@@ -23,3 +23,23 @@ def test_a_command_that_fails_to_import_is_not_left_out_silently() -> None:
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
     assert r.returncode == 1 and "ModuleNotFoundError" in r.stderr
     assert "sim.cli.calibrate_cmd" in r.stderr
+
+
+def test_out_of_memory_is_one_line_and_exit_2() -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from sim.cli.common import user_errors
+
+    app = typer.Typer()
+
+    @app.command()
+    def grow() -> None:
+        with user_errors():
+            bytearray(1 << 62)  # a real allocation the machine refuses
+
+    r = CliRunner().invoke(app, [])
+    assert r.exit_code == 2
+    assert r.stderr.splitlines() == ["error: out of memory: the input asks for more than this "
+                                     "machine has; make it smaller (docs/hardening.md lists the "
+                                     "limits)"]

@@ -27,7 +27,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from sim.cli.common import err_console
+from sim.cli.common import err_console, fail
 from sim.errors import KvsimError
 
 _FIRST_BAD = 10
@@ -72,8 +72,7 @@ def register(app: typer.Typer) -> None:
         try:
             res = _run(trace_dir, backend, isolate, tol, watch, not eager, prepare_workers)
         except KvsimError as e:
-            console.print(f"[red]error:[/red] {e}")
-            raise typer.Exit(2) from None
+            fail(str(e))  # one line, whatever the terminal's width
         _summary(console, res)
         if json_out is not None:
             from gpu_backend.run import write_json

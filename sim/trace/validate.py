@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -124,25 +125,34 @@ def check_tables(root: Path, tables: dict[str, pa.Table], model: dict) -> None:
     for (name, col), allowed in ENUMS.items():
         _enum(where(name), tables[name], col, allowed)
     _invariants(where("violations"), tables["violations"])
-    steps, requests = _ints(tables["steps"], "step"), _ints(tables["requests"], "request")
+    _order_and_references(where, tables)
+    _within_model(where, tables, model)
+
+
+def _order_and_references(where: Callable[[str], str], tables: dict[str, pa.Table]) -> None:
+    steps, rows = _ints(tables["steps"], "step"), tables["rows"]
     _increasing(where("steps"), tables["steps"], "step", strict=True)
     _increasing(where("steps"), tables["steps"], "t_launch_ns", strict=False)
+    requests = _ints(tables["requests"], "request")
     _unique(where("requests"), requests, "request")
-    requests = np.sort(requests)
-    _refers(where("rows"), tables["rows"], "step", steps, "steps.parquet")
-    _increasing(where("rows"), tables["rows"], "step", strict=False)
-    rows = tables["rows"]
+    _refers(where("rows"), rows, "step", steps, "steps.parquet")
+    _increasing(where("rows"), rows, "step", strict=False)
     _unique(where("rows"), _ints(rows, "step") * (MAX_ID + 1) + _ints(rows, "request"),
             "(step, request)")
     for name in ("rows", "blocks", "violations"):
-        _refers(where(name), tables[name], "request", requests, "requests.parquet")
+        _refers(where(name), tables[name], "request", np.sort(requests), "requests.parquet")
     _increasing(where("blocks"), tables["blocks"], "seq", strict=True)
+
+
+def _within_model(where: Callable[[str], str], tables: dict[str, pa.Table],
+                  model: dict) -> None:
     nb, tpb = model["num_blocks"], model["tokens_per_block"]
     # a row's lengths and positions: the checker walks them slot by slot, so they stay within
     # what the model could ever reach: the pool's slots twice over (a faulty engine's host
     # estimates overshoot, never by a pool) plus the model's positions
     mpe = model.get("max_position_embeddings")
     slots = 2 * nb * tpb + (min(mpe, MAX_POSITIONS) if type(mpe) is int and mpe > 0 else 0)
+    rows = tables["rows"]
     for col in _LENGTHS:
         _in_range(where("rows"), rows, col, _RANGES["rows"][col][0], slots)
     for col in ("append_pos", "rope_pos"):

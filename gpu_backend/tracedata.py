@@ -22,6 +22,7 @@ from gpu_backend.layout import LISTS, SCALARS, Columns, bad_lengths
 from sim.errors import TraceError
 from sim.trace.reader import read_trace
 from sim.trace.records import READABLE_VERSIONS, BlockEvent, RowRecord, StepRecord
+from sim.trace.validate import read_manifest_bytes
 
 MODEL_KEYS = ("num_q_heads", "num_kv_heads", "head_dim", "tokens_per_block", "num_blocks", "dtype")
 
@@ -79,10 +80,12 @@ def _manifest(path: Path) -> dict[str, Any]:
         raise TraceError(f"{path}: not a trace directory")
     if not f.exists():
         raise TraceError(f"{path}: manifest.json is missing (not a complete trace)")
-    try:
-        m = json.loads(f.read_text())
-    except json.JSONDecodeError as e:
+    try:  # a FIFO or an oversize file is refused before it is opened
+        m = json.loads(read_manifest_bytes(f))
+    except (ValueError, RecursionError) as e:
         raise TraceError(f"{f}: not valid JSON ({e})") from None
+    if not isinstance(m, dict):
+        raise TraceError(f"{f}: must be a JSON object (got {type(m).__name__})")
     version = m.get("format_version")
     if type(version) is not int or version not in READABLE_VERSIONS:
         raise TraceError(f"{f}: format_version {version!r}, "

@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from sim.cli.choices import Backend, Watch
-from sim.cli.common import err_console, user_errors
+from sim.cli.common import err_console, fail, user_errors
 from sim.cli.options import check_tolerance, check_workers
 from sim.errors import KvsimError
 from sim.outputs import Kind, check_out
@@ -80,8 +80,7 @@ def register(app: typer.Typer) -> None:
             res = _run(trace_dir, backend.value, isolate, tol, watch.value, not eager,
                        prepare_workers)
         except KvsimError as e:
-            console.print(f"[red]error:[/red] {e}")
-            raise typer.Exit(2) from None
+            fail(str(e))  # one line, whatever the terminal's width
         _summary(console, res)
         if json_out is not None:
             from gpu_backend.run import write_json

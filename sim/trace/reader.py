@@ -29,6 +29,12 @@ from sim.trace.records import (
     StepRecord,
 )
 from sim.trace.schema import ON_DISK, RECORDS, TABLES
+from sim.trace.validate import (
+    check_files,
+    check_stored_rows,
+    check_tables,
+    read_manifest_bytes,
+)
 
 _TMP_NAME = re.compile(r"\.tmp-[0-9]+$")  # TraceWriter's DIR.tmp-<pid>
 # The checker allocates per KV slot and per block; the same bounds as a scenario's (sim.config).
@@ -59,38 +65,43 @@ def table_digest(tables: list[pa.Table], version: int) -> str:
     return combine(parts)
 
 
-def read_trace(path: str | Path) -> Trace:
-    """Read and validate a trace directory. Raises TraceError naming the file and the problem."""
+def read_trace(path: str | Path, content: bool = True) -> Trace:
+    """Read and validate a trace directory. Raises TraceError naming the file and the problem.
+
+    `content`: hold the tables to the trace contract (sim/trace/validate.py); False only for
+    the codec's tests, whose traces hold rows alone (files, digest and decoding still checked).
+    """
     root = Path(path)
     if _TMP_NAME.search(root.name):
         raise TraceError(f"{root}: a writer's temporary directory (an interrupted run), "
                          "not a trace")
     if not root.is_dir():
-        raise TraceError(f"{root}: trace directory does not exist")
+        what = "must be a trace directory" if root.exists() else "trace directory does not exist"
+        raise TraceError(f"{root}: {what}")
     manifest = _read_manifest(root / "manifest.json")
     version = manifest["format_version"]
     schemas = ON_DISK[version]
+    check_files(root, TABLES, manifest.get("counts", {}))  # before reading any data
     tables = {name: _read_table(root / f"{name}.parquet", schemas[name]) for name in TABLES}
-    for name, t in tables.items():
-        want = manifest.get("counts", {}).get(name)
-        if want is not None and want != t.num_rows:
-            raise TraceError(f"{root / f'{name}.parquet'}: {t.num_rows} rows but manifest "
-                             f"counts.{name} is {want}")
     got = table_digest([tables[n] for n in TABLES], version)
     if got != manifest.get("digest"):
         raise TraceError(f"{root}: digest mismatch: manifest.json says {manifest.get('digest')}, "
                          f"the tables hash to {got}")
+    if content:
+        check_stored_rows(root, tables["rows"], manifest["model"])
     if version >= 2:  # decode only what the digest vouched for
         tables["rows"] = decode_rows(tables["rows"], str(root / "rows.parquet"))
+    if content:
+        check_tables(root, tables, manifest["model"])  # the digest proves no content right
     return Trace(root, manifest, tables)
 
 
 def _read_manifest(file: Path) -> dict[str, Any]:
-    if not file.is_file():
+    if not file.exists():
         raise TraceError(f"{file} is missing: not a trace, or one whose writing never finished")
     try:
-        manifest = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
+        manifest = json.loads(read_manifest_bytes(file))
+    except (OSError, ValueError, RecursionError) as e:
         raise TraceError(f"{file} is not valid JSON ({e}): a partial write?") from e
     if not isinstance(manifest, dict) or manifest.get("complete") is not True:
         raise TraceError(f"{file} lacks \"complete\": true: the trace was not finished")
@@ -125,8 +136,6 @@ def _check_model(file: Path, model: object) -> None:
 
 
 def _read_table(file: Path, schema: pa.Schema) -> pa.Table:
-    if not file.is_file():
-        raise TraceError(f"{file} is missing")
     try:
         table = pq.read_table(file)
     except (OSError, pa.ArrowException) as e:
@@ -138,6 +147,12 @@ def _conform(table: pa.Table, schema: pa.Schema, where: str) -> pa.Table:
     missing = [n for n in schema.names if n not in table.column_names]
     if missing:
         raise TraceError(f"{where} lacks columns {missing}")
+    for name in schema.names:  # nulls first: the cast's own message names no row
+        col = table.column(name)
+        nulls = col.null_count or (pa.types.is_list(col.type)
+                                   and sum(c.flatten().null_count for c in col.chunks))
+        if nulls:
+            raise TraceError(f"{where}: {name}: must have no nulls (got {nulls})")
     try:
         return table.select(schema.names).cast(schema)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as e:

@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from sim import interrupt
 from sim.outputs import Kind, publish, remove_stale, temp_path
 from sim.trace.delta import RowEncoder
+from sim.trace.describe import file_metadata
 from sim.trace.digest import TableDigest, combine
 from sim.trace.records import (
     FORMAT_VERSION,
@@ -96,7 +97,9 @@ class TraceWriter:
             shutil.rmtree(self.tmp)
         remove_stale(self.out)
         self.tmp.mkdir(parents=True)
-        self.writers = {n: pq.ParquetWriter(self.tmp / f"{n}.parquet", STORED[n],
+        # the metadata says what is stored (sim/trace/describe.py); the digest never sees it
+        self.writers = {n: pq.ParquetWriter(self.tmp / f"{n}.parquet",
+                                            STORED[n].with_metadata(file_metadata(n)),
                                             compression=_compression(STORED[n]),
                                             use_dictionary=False,
                                             column_encoding=_delta_columns(

@@ -14,7 +14,7 @@ from test_check_support import MODEL, Events, ctx, gen, step
 from sim.check.offline import check_trace
 from sim.errors import TraceError
 from sim.trace.reader import iter_records, read_trace, table_digest
-from sim.trace.records import READABLE_VERSIONS
+from sim.trace.records import READABLE_VERSIONS, RequestRecord
 from sim.trace.schema import ON_DISK, SCHEMAS, TABLES
 
 
@@ -31,7 +31,12 @@ def _records() -> dict[str, list]:
               ev(1, "done", -1, -1, 0, phase="proc", src=1),
               ev(1, "free", 2, 0, 0, phase="proc"), ev(1, "free", 1, 0, 0, phase="proc")]
     return {"steps": [step(0, backend="xqa"), step(1, backend="xqa")],
-            "rows": [ctx(), gen()], "requests": [], "blocks": blocks, "violations": []}
+            "rows": [ctx(), gen()], "requests": [REQUEST], "blocks": blocks, "violations": []}
+
+
+# the rows' request: a trace's rows name requests of requests.parquet (sim/trace/validate.py)
+REQUEST = RequestRecord(0, 0, 6, 2, (1, 2, 3, 4, 5, 6), (7,), 0, 10, -1, "unfinished", 0, 1, 0,
+                        1)
 
 
 def write(root: Path, recs: dict[str, list] | None = None, **manifest: object) -> Path:
@@ -83,7 +88,7 @@ def test_digest_ignores_chunking_but_not_values(version: int) -> None:
     ("notable", "rows.parquet is missing"),
     ("truncated", "rows.parquet is unreadable (truncated or corrupt)"),
     ("column", "rows.parquet lacks columns ['pages']"),
-    ("count", "rows.parquet: 2 rows but manifest counts.rows is 3"),
+    ("count", "rows.parquet: counts.rows: the manifest says 3 rows (got 2)"),
     ("digest", "digest mismatch: manifest.json says 00, the tables hash to"),
 ])
 def test_refusals(tmp_path: Path, breakage: str, message: str) -> None:

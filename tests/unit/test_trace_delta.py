@@ -237,8 +237,9 @@ def _numpy(col: pa.ChunkedArray, t: pa.DataType) -> object:
 def test_writer_round_trip_and_one_digest_however_the_rows_came(tmp_path_factory, rows, cuts):
     tmp = tmp_path_factory.mktemp("w")
     batches = _batches([c for c in cuts if c <= len(rows)], rows)
-    a = read_trace(_write(tmp / "columns", batches, records=False))
-    b = read_trace(_write(tmp / "records", [rows], records=True))
+    # rows alone, with any ids: the codec's round trip, not a trace's content
+    a = read_trace(_write(tmp / "columns", batches, records=False), content=False)
+    b = read_trace(_write(tmp / "records", [rows], records=True), content=False)
     assert a.manifest["format_version"] == FORMAT_VERSION == 3
     assert a.manifest["digest"] == b.manifest["digest"]
     assert a.tables["rows"].column("pages").to_pylist() == [p for _, p, _ in rows]
@@ -282,11 +283,11 @@ def test_the_decoder_refuses_references_that_do_not_resolve(tmp_path, prev, keep
                                                             problem):
     root = _trace_v2(tmp_path / "t", prev, keep, requests)
     if problem is None:  # the good one: [1, 2], [1, 2, 3], [1, 2, 3]
-        rows = read_trace(root).tables["rows"]
+        rows = read_trace(root, content=False).tables["rows"]
         assert rows.column("pages").to_pylist() == [[1, 2], [1, 2, 3], [1, 2, 3]]
         return
     with pytest.raises(TraceError) as err:
-        read_trace(root)
+        read_trace(root, content=False)
     assert str(err.value).startswith(f"{root / 'rows.parquet'}: {problem}")
 
 

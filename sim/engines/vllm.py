@@ -134,6 +134,8 @@ def run_driver(p: dict) -> Iterator[dict]:
         proc.kill()
         raise
     finally:
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()  # a child the driver started sees EOF, and lets stderr go
         proc.wait()
         drain.join()
     if proc.returncode:

@@ -8,6 +8,8 @@ payload on stdin; the script answers on stdout, one JSON object per line:
     {"step": k, "rows": [...], "events": [...], ...}   one per engine step
     {"requests": [...]}                         last: what became of every request
 
+A payload {"runs": [p1, p2, ...]} runs each on a fresh scheduler, one after the other.
+
 The loop is `EngineCore.step` + `EngineCore.post_step` of the synchronous engine
 (vllm/v1/engine/core.py at v0.33.0): `Scheduler.schedule()`, a fabricated `ModelRunnerOutput`
 in place of the model, `Scheduler.update_from_output()`, then `update_draft_token_ids()` with
@@ -415,12 +417,13 @@ def main() -> int:
         return BAD_ENV
     p = json.load(sys.stdin)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as root:
-        sched, hasher = build(p, root)
-        rec = Recorder(sched, p["block_size"])
-        run = Run(p, sched, hasher, rec, out)
-        run.loop()
-        _emit(out, {"requests": run.requests()})
+    # {"runs": [...]}: several payloads, each on a fresh scheduler, for one process start
+    for one in p.get("runs", [p]):
+        with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as root:
+            sched, hasher = build(one, root)
+            run = Run(one, sched, hasher, Recorder(sched, one["block_size"]), out)
+            run.loop()
+            _emit(out, {"requests": run.requests()})
     out.flush()
     return 0
 

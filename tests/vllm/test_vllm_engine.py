@@ -9,6 +9,7 @@ absent; `make test` builds it.
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,10 +17,13 @@ from typer.testing import CliRunner
 
 from sim.check import StepChecker
 from sim.cli import app
+from sim.config import parse_scenario
+from sim.engines.record import record
 from sim.engines.vllm import run_driver, vllm_python
 from sim.engines.vllm_trace import Converter
 
 HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
 pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason="no .venv-vllm (make vllm-env)")
 
@@ -157,3 +161,17 @@ def test_record_check_metrics_timeline(tmp_path):
     assert r.exit_code == 0 and "preemptions" in r.output, r.output
     r = CliRunner().invoke(app, ["timeline", str(out), "--out", str(tmp_path / "t.json")])
     assert r.exit_code == 0, r.output
+
+
+def test_default_scenario_reprofiled_for_vllm_records_clean(tmp_path):
+    """scenarios/default.toml as vLLM can run it: the real engine's decisions break none of
+    kvsim's invariants (checked online by StepChecker as the trace is written)."""
+    data = tomllib.loads((ROOT / "scenarios" / "default.toml").read_text())
+    data["profile"] = "vllm-v1"
+    data["cache"]["reuse"] = "full"
+    del data["scheduler"]["policy"]
+    data["overlap"]["enabled"] = False
+    res = record(parse_scenario(data), tmp_path / "trace")
+    assert res.violations == []
+    assert res.summary["preemptions"] > 0 and res.summary["reused_tokens"] > 0
+    assert res.summary["finished"] == res.summary["requests"]

@@ -17,7 +17,7 @@ app = typer.Typer(
 # Order is the order of `kvsim --help`. A module that is missing (an optional part not built
 # yet) is skipped so the rest of the CLI still works.
 _COMMANDS = ("run", "check", "profiles", "replay", "fuzz", "sweep", "timeline", "metrics",
-             "calibrate", "record")
+             "calibrate", "record", "diff")
 
 for _name in _COMMANDS:
     try:

@@ -9,6 +9,7 @@ absent; `make test` builds it.
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
@@ -175,3 +176,16 @@ def test_default_scenario_reprofiled_for_vllm_records_clean(tmp_path):
     assert res.violations == []
     assert res.summary["preemptions"] > 0 and res.summary["reused_tokens"] > 0
     assert res.summary["finished"] == res.summary["requests"]
+
+
+def test_diff_reports_where_the_profile_departs(tmp_path):
+    """kvsim's vllm-v1 profile allocates a whole prompt at admission; vLLM allocates per
+    chunk: the first divergence is step 1's block tables (request 2's 96-token chunk of a
+    longer prompt gets 6 blocks from vLLM), until the profile is rebuilt (issue 54)."""
+    r = CliRunner().invoke(app, ["diff", "--engine", "vllm", str(HERE / "small.toml"),
+                                 "--json"])
+    assert r.exit_code == 1, r.output
+    first = json.loads(r.output)["first"]
+    assert (first["step"], first["field"]) == (1, "block_tables")
+    assert first["vllm"] == {"0": [1, 2, 3], "1": [4, 5, 6, 7], "2": [8, 9, 10]}
+    assert len(first["kvsim"]["2"]) > len(first["vllm"]["2"])

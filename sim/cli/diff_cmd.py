@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from sim.cli.common import console, err_console, user_errors
+
+if TYPE_CHECKING:
+    from sim.engines.diff import DiffResult
 
 _SHOWN = 300  # characters of a field's value printed on the terminal (--json has it whole)
 
@@ -62,7 +66,7 @@ def _short(v: object) -> str:
     return escape(s if len(s) <= _SHOWN else s[:_SHOWN] + " …")
 
 
-def _print(res, every: bool) -> None:  # type: ignore[no-untyped-def]
+def _print(res: DiffResult, every: bool) -> None:
     ours, real = res.steps
     console.print(f"steps: kvsim vllm-v1 {ours}, vLLM 0.33.0 {real}")
     if res.first is None:

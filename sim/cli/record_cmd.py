@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from sim.cli.common import console, err_console, user_errors
+
+if TYPE_CHECKING:
+    from sim.engines.record import Recorded
 
 
 def register(app: typer.Typer) -> None:
@@ -56,7 +61,7 @@ class _Quiet:
         return None
 
 
-def _print(res, limit: int) -> None:  # type: ignore[no-untyped-def]
+def _print(res: Recorded, limit: int) -> None:
     s = res.summary
     t = Table(title="kvsim record · vllm 0.33.0", show_header=False, title_justify="left")
     for k, v in [("requests", f"{s['requests']} ({s['finished']} finished, "
@@ -71,7 +76,7 @@ def _print(res, limit: int) -> None:  # type: ignore[no-untyped-def]
                  ("trace", str(res.trace_dir))]:
         t.add_row(k, v)
     console.print(t)
-    for v in res.violations[:limit]:
-        console.print(f"[red]{v.message}[/]", highlight=False)
+    for bad in res.violations[:limit]:
+        console.print(f"[red]{escape(bad.message)}[/]", highlight=False)
     if len(res.violations) > limit:
         console.print(f"... and {len(res.violations) - limit} more")

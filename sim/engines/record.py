@@ -7,6 +7,7 @@ and what fires is in the trace's violations table, as a run's would be.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from sim.config import Scenario
 from sim.engines.vllm import PINNED, payload, run_driver
 from sim.engines.vllm_trace import Converter, request_records
 from sim.profiles import resolve_profile
-from sim.trace.records import Violation
+from sim.trace.records import RequestRecord, Violation
 from sim.trace.writer import TraceWriter
 
 
@@ -51,17 +52,16 @@ def record(sc: Scenario, out: Path, base_dir: Path | None = None) -> Recorded:
     checker = StepChecker(model)
     writer = TraceWriter(out)
     try:
-        objs: list[dict] = []
-        violations, steps, peak, preempted = _steps(run_driver(p), objs, conv, checker, writer)
+        stream = _Stream(run_driver(p))
+        violations, steps, peak = _steps(stream, conv, checker, writer)
         violations += checker.finish()
-        final = objs[-1] if objs and "requests" in objs[-1] else None
-        if final is None:
+        if stream.last is None or "requests" not in stream.last:
             raise RuntimeError("the vLLM driver ended without its requests report; "
                                "this is a bug in the adapter")
-        reqs = request_records(p, final)
+        reqs = request_records(p, stream.last)
         for r in reqs:
             writer.add("requests", r)
-        summary = _summary(reqs, steps, peak, preempted, sc, violations)
+        summary = _summary(reqs, steps, peak, stream.preempted, sc, violations)
         manifest = {"kvsim_version": kvsim_version(), "scenario": sc.model_dump(mode="json"),
                     "profile": {"name": "vllm-v1",
                                 "switches": asdict(resolve_profile("vllm-v1"))},
@@ -74,19 +74,27 @@ def record(sc: Scenario, out: Path, base_dir: Path | None = None) -> Recorded:
     return Recorded(summary, violations, trace_dir)
 
 
-def _steps(objs, keep: list[dict], conv: Converter, checker: StepChecker,  # type: ignore[no-untyped-def]
-           writer: TraceWriter) -> tuple[list[Violation], int, int, int]:
-    violations: list[Violation] = []
-    steps = peak = preempted = 0
+class _Stream:
+    """The driver's objects, passed through; keeps the last (the requests report) and counts
+    preemptions on the way."""
 
-    def tee():  # type: ignore[no-untyped-def]
-        nonlocal preempted
-        for o in objs:
-            keep[:] = [o]  # only the last object is needed: the requests report
-            preempted += len(o.get("preempted", ()))
+    def __init__(self, objs: Iterable[dict]) -> None:
+        self.objs, self.preempted = objs, 0
+        self.last: dict | None = None
+
+    def __iter__(self) -> Iterator[dict]:
+        for o in self.objs:
+            self.last = o
+            self.preempted += len(o.get("preempted", ()))
             yield o
 
-    for step, rows, events in conv.steps(tee()):
+
+def _steps(objs: Iterable[dict], conv: Converter, checker: StepChecker,
+           writer: TraceWriter) -> tuple[list[Violation], int, int]:
+    """Write and check every step, in the checker's call order (sim/check/checker.py)."""
+    violations: list[Violation] = []
+    steps = peak = 0
+    for step, rows, events in conv.steps(objs):
         writer.on_step(step, rows, events)
         for e in events:
             if e.phase == "sched":
@@ -97,10 +105,10 @@ def _steps(objs, keep: list[dict], conv: Converter, checker: StepChecker,  # typ
                 violations += checker.block_event(e)
         steps += 1
         peak = max(peak, step.blocks_used)
-    return violations, steps, peak, preempted
+    return violations, steps, peak
 
 
-def _summary(reqs, steps: int, peak: int, preempted: int, sc: Scenario,  # type: ignore[no-untyped-def]
+def _summary(reqs: list[RequestRecord], steps: int, peak: int, preempted: int, sc: Scenario,
              violations: list[Violation]) -> dict:
     done = [r for r in reqs if r.finish_reason in ("length", "max_seq_len")]
     proposed = sum(r.proposed_drafts for r in reqs)

@@ -52,7 +52,8 @@ class Converter:
         if held is not None:
             yield self._step(held, pre, tail)
 
-    def _step(self, o: dict, pre: list[BlockEvent], tail: list[list]):  # type: ignore[no-untyped-def]
+    def _step(self, o: dict, pre: list[BlockEvent],
+              tail: list[list]) -> tuple[StepRecord, list[RowRecord], list[BlockEvent]]:
         k = o["step"]
         after = ([self._event(k, "proc", ["done", -1, -1, 0, 0, 0], src=k)]
                  + self._events(k, "proc", o["proc_events"] + tail))

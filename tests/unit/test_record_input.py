@@ -84,3 +84,28 @@ def test_unknown_engine(tmp_path):
                                  "--out", str(tmp_path / "t")])
     assert r.exit_code == 2 and "--engine" in r.output and "sglang" in r.output, r.output
     assert sorted(os.listdir(tmp_path)) == ["s.toml"]
+
+
+def test_vllm_stays_in_its_own_environment():
+    """The driver runs in .venv-vllm: stdlib and vLLM only (torch for one dtype vLLM's types
+    want). Nothing else of kvsim imports vLLM, so the core install never needs it."""
+    import ast
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+
+    def imported(f: Path) -> set[str]:
+        out = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                out |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out.add(node.module.split(".")[0])
+        return out
+
+    driver = root / "sim" / "engines" / "vllm_driver.py"
+    extra = imported(driver) - set(sys.stdlib_module_names) - {"__future__"}
+    assert extra == {"vllm", "torch"}, extra
+    for f in (root / "sim").rglob("*.py"):
+        if f != driver:
+            assert "vllm" not in imported(f), f

@@ -5,8 +5,9 @@ Attention metadata is derived from vLLM's block tables the way its FlashInfer ba
 `_compute_flashinfer_kv_metadata`): per request seq_len = num_computed_tokens + scheduled
 tokens, pages = cdiv(seq_len, B) leading entries of its block-table row, kv_indptr their
 running sum, last_page_len = seq_len % B, or B where that is 0. FlashInfer's paged kernels are
-the CSR interface kvsim calls `fa2`. Decode rows come first, as the builder requires of the
-batch (`split_decodes_and_prefills`); within each kind, rows keep the scheduler's order.
+the CSR interface kvsim calls `fa2`. Generation rows come first, as vLLM's batch puts its
+decodes first (`split_decodes_and_prefills`); within each kind, rows keep the scheduler's
+order (docs/vllm.md: where that differs from vLLM's persistent batch).
 
 Block events come from the driver in the pool's own order. The trace tags everything after
 step k's launch and before step k+1's with (k, "proc"): step k's processing (a "done" event,

@@ -45,7 +45,7 @@ def diff_cmd(
         refuse_unsupported(sc, str(scenario))
         with err_console.status("running both engines", spinner="dots") \
                 if err_console.is_terminal and not as_json else _Quiet():
-            res = diff(sc, base, every)
+            res = diff(sc, base, every, str(scenario))
     if as_json:
         console.print_json(json.dumps(asdict(res), default=list))
     else:

@@ -44,7 +44,7 @@ def record_cmd(
             raise KvsimError(f"--out: {out}: folder {out.parent} does not exist")
         with console.status(f"driving vLLM with {scenario.name}", spinner="dots") \
                 if err_console.is_terminal and not as_json else _Quiet():
-            res = record(sc, out, base)
+            res = record(sc, out, base, str(scenario))
     if as_json:
         console.print_json(json.dumps({"summary": res.summary,
                                        "violations": [v.message for v in res.violations]}))

@@ -45,7 +45,8 @@ class DiffResult:
     first_by_field: dict[str, int] = field(default_factory=dict)
 
 
-def diff(sc: Scenario, base_dir: Path | None = None, every: bool = False) -> DiffResult:
+def diff(sc: Scenario, base_dir: Path | None = None, every: bool = False,
+         where: str = "scenario") -> DiffResult:
     """Run `sc` through both engines and compare. `every`: tally every step, not stop at the
     first divergence. `sc` must already pass `refuse_unsupported`."""
     from sim.api import run
@@ -53,7 +54,7 @@ def diff(sc: Scenario, base_dir: Path | None = None, every: bool = False) -> Dif
     with tempfile.TemporaryDirectory(prefix="kvsim-diff-") as tmp:
         run(sc, out=Path(tmp) / "kvsim", check=False, profile="vllm-v1", base_dir=base_dir,
             collect=False)
-        record(sc, Path(tmp) / "vllm", base_dir)
+        record(sc, Path(tmp) / "vllm", base_dir, where)
         ours, real = per_step(Path(tmp) / "kvsim"), per_step(Path(tmp) / "vllm")
     return compare(ours, real, every)
 

@@ -38,13 +38,15 @@ def model_info(sc: Scenario) -> dict:
             "blocks_per_seq": sc.blocks_per_seq}
 
 
-def record(sc: Scenario, out: Path, base_dir: Path | None = None) -> Recorded:
+def record(sc: Scenario, out: Path, base_dir: Path | None = None,
+           where: str = "scenario") -> Recorded:
     """Drive vLLM with `sc` (already checked by `refuse_unsupported`) and write the trace.
 
-    Raises VllmEnvError (no or another vLLM), KvsimError (the driver failed); nothing is left
-    at `out` then (the writer's temporary directory is removed).
+    Raises VllmEnvError (no or another vLLM), ScenarioError (vLLM will not start with this
+    pool; `where` names the scenario), KvsimError (the driver failed); nothing is left at
+    `out` then (the writer's temporary directory is removed).
     """
-    p = payload(sc, base_dir)
+    p = payload(sc, base_dir, where=where)
     model = model_info(sc)
     B = sc.cache.tokens_per_block
     conv = Converter(B, sc.cache.num_blocks, min(sc.model.max_position_embeddings,

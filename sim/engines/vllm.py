@@ -68,7 +68,8 @@ def refuse_unsupported(sc: Scenario, where: str, profile: str | None = None) -> 
                             "engine step (async scheduling is not driven yet): false (got true)")
 
 
-def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0) -> dict:
+def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0,
+            where: str = "scenario") -> dict:
     """What the driver needs: vLLM's config from the scenario, and every request with its
     true output tokens and its planned draft acceptance per generation step (seeded as the
     reference engine seeds them: sim/engine.py, sim/executor/process.py)."""
@@ -102,6 +103,7 @@ def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0) -> d
         "dev_ns": [c.step_base_ns, c.ns_per_token, c.ns_per_kv_token],
         "host_ns": [c.host_base_ns, c.host_ns_per_row],
         "max_steps": max_steps or _step_bound(reqs),
+        "where": where,  # the scenario's file, for messages
         "requests": reqs,
     }
 
@@ -158,4 +160,9 @@ def _read(proc: subprocess.Popen, p: dict) -> Iterator[dict]:
     except BrokenPipeError:  # the driver died: its exit status says why
         return
     for line in proc.stdout:
-        yield json.loads(line)
+        obj = json.loads(line)
+        if "refused" in obj:  # vLLM's own start-up check said no: the scenario's pool
+            raise ScenarioError(f"{p.get('where', 'scenario')}: cache.num_blocks: vLLM does "
+                                f"not start: {obj['refused']} (limits.max_seq_len "
+                                f"{p['max_model_len']}, got {p['num_blocks']} blocks)")
+        yield obj

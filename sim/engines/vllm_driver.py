@@ -7,6 +7,7 @@ payload on stdin; the script answers on stdout, one JSON object per line:
     {"vllm": "0.33.0"}                          first, before anything else is built
     {"step": k, "rows": [...], "events": [...], ...}   one per engine step
     {"requests": [...]}                         last: what became of every request
+    {"refused": "..."}                          instead, when vLLM will not start with it
 
 A payload {"runs": [p1, p2, ...]} runs each on a fresh scheduler, one after the other.
 
@@ -34,6 +35,12 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 PINNED = "0.33.0"
 # exit status for an environment kvsim cannot use (a vLLM other than PINNED)
 BAD_ENV = 3
+# exit status when vLLM refuses the configuration (its message is the last line out)
+REFUSED = 4
+
+
+class Refused(Exception):
+    """A configuration vLLM's engine would not start with."""
 
 
 def _emit(out, obj: dict) -> None:
@@ -100,6 +107,13 @@ def build(p: dict, root: str):
     group = KVCacheGroupSpec(["layer"], FullAttentionSpec(
         block_size=p["block_size"], num_kv_heads=1, head_size=1, dtype=torch.float16),
         is_eagle_group=spec is not None and spec.use_eagle_block_drop())
+    # EngineCore refuses to start when one request of max_model_len cannot fit the pool less
+    # its null block (kv_cache_planning.py: check_enough_kv_cache_memory, in bytes; for full
+    # attention FullAttentionSpec.max_memory_usage_bytes is these blocks times the page size)
+    need = -(-model.max_model_len // p["block_size"])
+    if need > p["num_blocks"] - 1 and p.get("startup_check", True):
+        raise Refused(f"one request of max_model_len {model.max_model_len} needs {need} "
+                      f"blocks and the pool has {p['num_blocks'] - 1} besides the null block")
     kv = KVCacheConfig(num_blocks=p["num_blocks"], kv_cache_tensors=[], kv_cache_groups=[group])
     block_size, hash_block_size = resolve_kv_cache_block_sizes(kv, vcfg)
     s = Scheduler(vllm_config=vcfg, kv_cache_config=kv, block_size=block_size,
@@ -420,7 +434,12 @@ def main() -> int:
     # {"runs": [...]}: several payloads, each on a fresh scheduler, for one process start
     for one in p.get("runs", [p]):
         with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as root:
-            sched, hasher = build(one, root)
+            try:
+                sched, hasher = build(one, root)
+            except Refused as e:  # what EngineCore would refuse to start with
+                _emit(out, {"refused": str(e)})
+                out.flush()
+                return REFUSED
             run = Run(one, sched, hasher, Recorder(sched, one["block_size"]), out)
             run.loop()
             _emit(out, {"requests": run.requests()})

@@ -44,7 +44,10 @@ def _case(block_size: int, num_blocks: int, reqs: list[dict], budget: int = 256,
             "max_num_seqs": 16, "max_num_batched_tokens": budget,
             "long_prefill_token_threshold": 0, "max_model_len": max_len,
             "max_position_embeddings": max_len, "num_spec_tokens": 0,
-            "dev_ns": [1000, 0, 0], "host_ns": [0, 0], "max_steps": 64, "requests": reqs}
+            "dev_ns": [1000, 0, 0], "host_ns": [0, 0], "max_steps": 64, "requests": reqs,
+            # vLLM's tests build the manager without EngineCore's start-up check (a pool that
+            # holds one request of max_model_len), and so do these
+            "startup_check": False}
 
 
 COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16
@@ -203,3 +206,15 @@ def test_recorded_trace_replays_through_the_cpu_reference(tmp_path):
     assert r.exit_code == 0, r.output
     counts = json.loads((tmp_path / "r.json").read_text())["counts"]
     assert counts["ok"] > 0 and sum(counts.values()) == counts["ok"], counts
+
+
+def test_a_pool_vllm_would_not_start_with_is_refused(tmp_path):
+    """EngineCore does not start when one request of max_model_len cannot fit the pool; the
+    adapter says so (exit 2, naming the field) instead of recording a run that stalls."""
+    text = (HERE / "tiny.toml").read_text().replace("num_blocks = 17", "num_blocks = 16")
+    (tmp_path / "s.toml").write_text(text)
+    r = CliRunner().invoke(app, ["record", "--engine", "vllm", str(tmp_path / "s.toml"),
+                                 "--out", str(tmp_path / "t")])
+    assert r.exit_code == 2, r.output
+    assert ": cache.num_blocks: vLLM does not start: " in r.output and "needs 16 blocks" in r.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 # ray: the sweep tests start a real local Ray head node (kvsim sweep --address).
 EXTRAS := dev,cpu-ref,ray
 
-.PHONY: run test lint bench bench-sim bench-memory bench-fuzz bench-replay-host bench-cpu-replay bench-gpu setup clean
+.PHONY: run test lint vllm-env bench bench-sim bench-memory bench-fuzz bench-replay-host bench-cpu-replay bench-gpu setup clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,10 +18,24 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# vLLM's real scheduler for `kvsim record --engine vllm`, in a virtualenv of its own (~2 GB)
+# that never enters kvsim's install; the adapter is pinned to this vLLM (sim/engines/vllm.py).
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat vllm-requirements.txt | sha1sum | cut -c1-12)
+
+$(VLLM_STAMP): vllm-requirements.txt
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q --no-deps vllm==0.33.0 xgrammar==0.2.8
+	$(VLLM_VENV)/bin/pip install -q -r vllm-requirements.txt
+	rm -f $(VLLM_VENV)/.installed-*; touch $@
+
+vllm-env: $(VLLM_STAMP)
+
 run: $(STAMP)
 	$(BIN)/kvsim run scenarios/default.toml
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -n 2 -q tests
@@ -72,4 +86,4 @@ bench-gpu:
 	else echo "bench-gpu: skipped, no CUDA device for $(GPU_PY) (bench/README.md: GPU host)"; fi
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -37,7 +37,7 @@ def _main(version: bool = typer.Option(False, "--version", is_eager=True, callba
 # Order is the order of `kvsim --help`. Every module is part of kvsim: one that fails to
 # import is a broken install, not a command to leave out of --help unannounced.
 _COMMANDS = ("run", "check", "profiles", "replay", "fuzz", "sweep", "timeline", "metrics",
-             "calibrate")
+             "calibrate", "record", "diff")
 
 for _name in _COMMANDS:
     importlib.import_module(f"sim.cli.{_name}_cmd").register(app)

@@ -1,0 +1,1 @@
+"""Real serving engines driven step by step, each in its own environment (docs/fidelity.md)."""

@@ -1,0 +1,168 @@
+"""kvsim's side of the vLLM adapter: scenario -> payload, run the driver, read its steps.
+
+The driver (sim/engines/vllm_driver.py) runs in vLLM's own virtualenv, `.venv-vllm` at the
+repository root (`make vllm-env`), so vLLM and its pins never enter kvsim's install. This
+module speaks to it in JSON: one payload in, one JSON object per step out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from sim.config import Scenario
+from sim.errors import KvsimError, ScenarioError
+from sim.spec import Acceptance
+from sim.workload import iter_workload
+
+PINNED = "0.33.0"
+MAKE_TARGET = "make vllm-env"
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 32000  # output token ids are drawn below it, as the reference engine draws them
+
+
+class VllmEnvError(KvsimError):
+    """vLLM's environment is missing or is not the pinned version."""
+
+
+def vllm_python() -> Path:
+    """The interpreter of vLLM's virtualenv: $KVSIM_VLLM_PYTHON, else .venv-vllm's."""
+    env = os.environ.get("KVSIM_VLLM_PYTHON")
+    return Path(env) if env else ROOT / ".venv-vllm" / "bin" / "python"
+
+
+def refuse_unsupported(sc: Scenario, where: str, profile: str | None = None) -> None:
+    """A scenario feature vLLM's engine does not have is bad input: name the field."""
+    name = profile or sc.profile
+    if name != "vllm-v1":
+        field = "--profile" if profile else "profile"
+        raise ScenarioError(f"{where}: {field}: the vLLM engine runs only profile 'vllm-v1' "
+                            f"(got {name!r})")
+    if sc.switches:
+        first = sorted(sc.switches)[0]
+        raise ScenarioError(f"{where}: switches.{first}: kvsim's behaviour switches model other "
+                            "engines; the real vLLM takes none (remove [switches])")
+    if sc.cache.reuse not in ("off", "full"):
+        raise ScenarioError(f"{where}: cache.reuse: vLLM reuses whole blocks only: 'off' or "
+                            f"'full' (got {sc.cache.reuse!r})")
+    if sc.spec.extra_kv_tokens:
+        raise ScenarioError(f"{where}: spec.extra_kv_tokens: vLLM keeps draft KV in its own "
+                            f"cache group: 0 (got {sc.spec.extra_kv_tokens})")
+    if sc.spec.runtime_draft_lens:
+        raise ScenarioError(f"{where}: spec.runtime_draft_lens: vLLM drafts "
+                            "num_speculative_tokens every step: [] (got "
+                            f"{sc.spec.runtime_draft_lens})")
+    if "policy" in sc.scheduler.model_fields_set:
+        raise ScenarioError(f"{where}: scheduler.policy: a TensorRT-LLM capacity policy; vLLM "
+                            "has its own (preempt from the running tail): remove it (got "
+                            f"{sc.scheduler.policy!r})")
+    if sc.overlap.enabled:
+        raise ScenarioError(f"{where}: overlap.enabled: the adapter drives vLLM's synchronous "
+                            "engine step (async scheduling is not driven yet): false (got true)")
+
+
+def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0,
+            where: str = "scenario") -> dict:
+    """What the driver needs: vLLM's config from the scenario, and every request with its
+    true output tokens and its planned draft acceptance per generation step (seeded as the
+    reference engine seeds them: sim/engine.py, sim/executor/process.py)."""
+    seeds = np.random.SeedSequence(sc.seed).spawn(3)
+    acc = Acceptance(sc.spec.acceptance, np.random.default_rng(seeds[0]))
+    tok_rng = np.random.default_rng(seeds[1])
+    k = sc.spec.depth
+    rng = np.random.default_rng(np.random.SeedSequence(sc.seed).spawn(4)[3])
+    reqs = []
+    for spec in iter_workload(sc.workload, rng, tokens_per_block=sc.cache.tokens_per_block,
+                              base_dir=base_dir):
+        # room for the last step's bonus token and a full set of drafts past max_tokens
+        outs = tok_rng.integers(0, VOCAB, size=spec.output_len + k + 2, dtype=np.int32)
+        scale = acc.request_scale()
+        plan = [acc.accepted(k, i, scale) for i in range(spec.output_len)] if k else []
+        reqs.append({"id": spec.rid, "arrival_ns": spec.arrival_ns,
+                     "prompt": spec.prompt.tolist(), "output": outs.tolist(),
+                     "output_len": spec.output_len, "accept": plan})
+    c = sc.cost
+    return {
+        "block_size": sc.cache.tokens_per_block, "num_blocks": sc.cache.num_blocks,
+        "prefix_caching": sc.cache.reuse == "full",
+        "max_num_seqs": sc.scheduler.max_batch_size,
+        "max_num_batched_tokens": sc.scheduler.max_num_tokens,
+        # vLLM's nearest knob to a chunk size: it caps one prefill's share of a step
+        "long_prefill_token_threshold": sc.scheduler.chunk_size,
+        "max_model_len": sc.limits.max_seq_len,
+        "max_position_embeddings": sc.model.max_position_embeddings,
+        "num_spec_tokens": k,
+        # the simple cost model's coefficients (sim/cost: SimpleCost) time the steps
+        "dev_ns": [c.step_base_ns, c.ns_per_token, c.ns_per_kv_token],
+        "host_ns": [c.host_base_ns, c.host_ns_per_row],
+        "max_steps": max_steps or _step_bound(reqs),
+        "where": where,  # the scenario's file, for messages
+        "requests": reqs,
+    }
+
+
+def _step_bound(reqs: list[dict]) -> int:
+    """Every step that runs computes at least one token, and a request is recomputed whole
+    at most once per preemption: a generous bound that still ends a stuck run."""
+    return 4 * sum(len(r["prompt"]) + r["output_len"] for r in reqs) + 16
+
+
+def run_driver(p: dict) -> Iterator[dict]:
+    """Run the driver on payload `p`; yield its step objects, then the requests object.
+
+    Raises VllmEnvError when .venv-vllm is missing or holds another vLLM version, and
+    KvsimError when the driver fails (its last stderr lines in the message).
+    """
+    py = vllm_python()
+    if not py.exists():
+        raise VllmEnvError(f"{py}: no vLLM environment; build it with `{MAKE_TARGET}`")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CONFIGURE_LOGGING="0",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([str(py), str(DRIVER)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    err: list[str] = []
+    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    drain.start()
+    try:
+        yield from _read(proc, p)
+    except BaseException:  # an error, ^C, or a reader that stopped early: end the driver
+        proc.kill()
+        raise
+    finally:
+        if proc.stdin is not None and not proc.stdin.closed:
+            proc.stdin.close()  # a child the driver started sees EOF, and lets stderr go
+        proc.wait()
+        drain.join()
+    if proc.returncode:
+        tail = "".join(err[-5:]).strip()
+        raise KvsimError(f"{DRIVER.name}: the vLLM driver failed (exit {proc.returncode}): "
+                         f"{tail}")
+
+
+def _read(proc: subprocess.Popen, p: dict) -> Iterator[dict]:
+    assert proc.stdin is not None and proc.stdout is not None
+    head = json.loads(proc.stdout.readline() or "{}")
+    version = head.get("vllm")
+    if version != PINNED:
+        proc.kill()
+        raise VllmEnvError(f"{vllm_python()}: vllm {version} is installed; the adapter is "
+                           f"pinned to {PINNED} (rebuild with `{MAKE_TARGET}`)")
+    try:  # the driver reads the whole payload before it answers
+        json.dump(p, proc.stdin)
+        proc.stdin.close()
+    except BrokenPipeError:  # the driver died: its exit status says why
+        return
+    for line in proc.stdout:
+        obj = json.loads(line)
+        if "refused" in obj:  # vLLM's own start-up check said no: the scenario's pool
+            raise ScenarioError(f"{p.get('where', 'scenario')}: cache.num_blocks: vLLM does "
+                                f"not start: {obj['refused']} (limits.max_seq_len "
+                                f"{p['max_model_len']}, got {p['num_blocks']} blocks)")
+        yield obj

@@ -12,6 +12,10 @@ class Engine(StrEnum):
     reference = "reference"
 
 
+class RealEngine(StrEnum):
+    vllm = "vllm"  # vLLM 0.33.0's own v1 scheduler, in .venv-vllm (make vllm-env)
+
+
 class Backend(StrEnum):
     flashinfer = "flashinfer"  # GPU
     reference = "reference"  # CPU

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from sim.cli.choices import RealEngine
 from sim.cli.common import console, err_console, user_errors
 
 if TYPE_CHECKING:
@@ -25,8 +26,8 @@ def register(app: typer.Typer) -> None:
 
 def diff_cmd(
     scenario: Path = typer.Argument(..., help="Scenario TOML file (profile vllm-v1)."),
-    engine: str = typer.Option(..., "--engine", help="The real engine: vllm (0.33.0, in "
-                               ".venv-vllm: make vllm-env)."),
+    engine: RealEngine = typer.Option(..., "--engine", help="The real engine: vllm (0.33.0, "
+                                      "in .venv-vllm: make vllm-env)."),
     every: bool = typer.Option(False, "--all", help="Tally every field that differs over the "
                                "whole run instead of stopping at the first step."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -36,11 +37,8 @@ def diff_cmd(
     from sim.api import load_scenario
     from sim.engines.diff import diff
     from sim.engines.vllm import refuse_unsupported
-    from sim.errors import KvsimError
 
     with user_errors():
-        if engine != "vllm":
-            raise KvsimError(f"--engine: the one real engine is 'vllm' (got {engine!r})")
         sc, base = load_scenario(scenario)
         refuse_unsupported(sc, str(scenario))
         with err_console.status("running both engines", spinner="dots") \

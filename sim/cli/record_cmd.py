@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -10,7 +9,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from sim.cli.choices import RealEngine
 from sim.cli.common import console, err_console, user_errors
+from sim.cli.report import result_json
 
 if TYPE_CHECKING:
     from sim.engines.record import Recorded
@@ -22,10 +23,14 @@ def register(app: typer.Typer) -> None:
 
 def record_cmd(
     scenario: Path = typer.Argument(..., help="Scenario TOML file (profile vllm-v1)."),
-    out: Path = typer.Option(..., "--out", "-o", help="Write the trace directory here."),
-    engine: str = typer.Option(..., "--engine", help="The real engine to drive: vllm "
-                               "(0.33.0, in .venv-vllm: make vllm-env)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+    out: str = typer.Option(..., "--out", "-o", help="Write the trace directory here: a new "
+                            "path, or an earlier trace with --force."),
+    engine: RealEngine = typer.Option(..., "--engine", help="The real engine to drive: vllm "
+                                      "(0.33.0, in .venv-vllm: make vllm-env)."),
+    force: bool = typer.Option(False, "--force", help="Replace --out when it holds an earlier "
+                               "kvsim trace."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary and violations as "
+                                 "one JSON object, the shape `kvsim check --json` prints."),
     max_violations: int = typer.Option(10, help="Violations to print."),
 ) -> None:
     """Run a scenario through a real engine's scheduler and write it as a kvsim trace, checked
@@ -33,21 +38,17 @@ def record_cmd(
     from sim.api import load_scenario
     from sim.engines.record import record
     from sim.engines.vllm import refuse_unsupported
-    from sim.errors import KvsimError
+    from sim.outputs import Kind, check_out
 
     with user_errors():
-        if engine != "vllm":
-            raise KvsimError(f"--engine: the one real engine is 'vllm' (got {engine!r})")
+        check_out(out, Kind.TRACE, force)  # before any work: a refused --out costs nothing
         sc, base = load_scenario(scenario)
         refuse_unsupported(sc, str(scenario))
-        if not out.parent.is_dir():
-            raise KvsimError(f"--out: {out}: folder {out.parent} does not exist")
         with console.status(f"driving vLLM with {scenario.name}", spinner="dots") \
                 if err_console.is_terminal and not as_json else _Quiet():
-            res = record(sc, out, base, str(scenario))
+            res = record(sc, Path(out), base, str(scenario))
     if as_json:
-        console.print_json(json.dumps({"summary": res.summary,
-                                       "violations": [v.message for v in res.violations]}))
+        typer.echo(result_json("record", scenario, res.summary, res.violations))
     else:
         _print(res, max_violations)
     raise typer.Exit(1 if res.violations else 0)

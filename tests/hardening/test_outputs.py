@@ -65,6 +65,9 @@ COMMANDS: dict[str, tuple[Callable[[dict[str, Path]], list[str]], str, Kind]] = 
     "calibrate": (lambda p: ["calibrate", "--out", "OUT"], "--out", Kind.CALIBRATION),
     "replay": (lambda p: ["replay", str(p["trace"]), "--backend", "reference", "--json", "OUT"],
                "--json", Kind.REPLAY),
+    # refused before .venv-vllm is looked for: these cases need no vLLM
+    "record": (lambda p: ["record", "--engine", "vllm", str(p["scenario"]), "--out", "OUT"],
+               "--out", Kind.TRACE),
 }
 
 
@@ -164,7 +167,7 @@ def test_other_kinds_of_kvsim_output_are_refused(tmp_path: Path, inputs: dict[st
     assert failures == []
 
 
-@pytest.mark.parametrize("command", ["run", "timeline", "replay", "calibrate"])
+@pytest.mark.parametrize("command", ["run", "record", "timeline", "replay", "calibrate"])
 def test_same_kind_needs_force(command: str, tmp_path: Path, inputs: dict[str, Path]) -> None:
     kind = COMMANDS[command][2]
     name = "trace" if kind is Kind.TRACE else kind.name.lower()

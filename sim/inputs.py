@@ -23,7 +23,7 @@ import re
 import stat
 import sys
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -92,34 +92,30 @@ def decode_text(raw: bytes, p: str | Path, error: type[KvsimError] = ScenarioErr
 
 def load_toml(path: str | Path, what: str, max_bytes: int) -> dict[str, Any]:
     """A TOML file as a dict, checked by `check_tree`. Raises ScenarioError."""
-    text = decode_text(read_input(path, what, max_bytes), path)
-    try:
-        with long_integers():
-            data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ScenarioError(f"{path}: invalid TOML: {e}") from None
-    except RecursionError:
-        raise _too_deep(path, text) from None
-    except ValueError:  # an integer past even MAX_DIGITS
-        raise _too_long(path, text) from None
-    check_tree(data, str(path))
+    data: dict[str, Any] = _load(path, what, max_bytes, tomllib.loads, tomllib.TOMLDecodeError,
+                                 "TOML", finite=False)
     return data
 
 
 def load_json(path: str | Path, what: str, max_bytes: int) -> Any:
     """A JSON file, checked by `check_tree` with `finite=True` (NaN, Infinity and numbers that
     overflow to infinity are refused, naming the field). Raises ScenarioError."""
+    return _load(path, what, max_bytes, json.loads, json.JSONDecodeError, "JSON", finite=True)
+
+
+def _load(path: str | Path, what: str, max_bytes: int, parse: Callable[[str], Any],
+          syntax: type[ValueError], lang: str, finite: bool) -> Any:
     text = decode_text(read_input(path, what, max_bytes), path)
     try:
         with long_integers():
-            data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ScenarioError(f"{path}: invalid JSON: {e}") from None
+            data = parse(text)
+    except syntax as e:  # before ValueError: both decode errors are ValueErrors
+        raise ScenarioError(f"{path}: invalid {lang}: {e}") from None
     except RecursionError:
         raise _too_deep(path, text) from None
-    except ValueError:
+    except ValueError:  # an integer past even MAX_DIGITS
         raise _too_long(path, text) from None
-    check_tree(data, str(path), finite=True)
+    check_tree(data, str(path), finite=finite)
     return data
 
 

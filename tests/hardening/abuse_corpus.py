@@ -30,35 +30,13 @@ from sim.cost.calibration import MAX_CALIBRATION_BYTES
 from sim.sweep.spec import MAX_SWEEP_BYTES
 from sim.workload.config import MAX_TRACE_ROWS
 from sim.workload.traces import MAX_TRACE_BYTES
-from tests.hardening.corpus import AZ_HEAD, AZ_ROWS, BASE, Case, _copy, _set
+from tests.hardening.corpus import AZ_HEAD, AZ_ROWS, BASE, Case, Raw, _copy, _set, to_toml
 
 
 @dataclass
 class AbuseCase(Case):
     resource: bool = False  # would hang or allocate without its limit: subprocess only
     special: dict[str, str] = field(default_factory=dict)  # path -> fifo | dir | devzero | size:N
-
-
-class Raw(str):
-    """A TOML token written as is (`nan`, `0xff...`): a Python value cannot spell them all."""
-
-
-def toml_value(v: Any) -> str:
-    if isinstance(v, Raw):
-        return str(v)
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float | str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{json.dumps(k)} = {toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(v)
-
-
-def to_toml(d: dict[str, Any]) -> bytes:
-    return "\n".join(f"{json.dumps(k)} = {toml_value(v)}" for k, v in d.items()).encode() + b"\n"
 
 
 BAD_NUMBERS = {"nan": "nan", "inf": "inf", "-inf": "-inf", "true": "true", "false": "false",

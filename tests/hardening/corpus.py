@@ -33,7 +33,13 @@ class Case:
 
 
 # -- a tiny TOML writer (inline tables), enough for mutated scenarios -----------------------------
+class Raw(str):
+    """A TOML token written as is (`nan`, `0xff...`): a Python value cannot spell them all."""
+
+
 def toml_value(v: Any) -> str:
+    if isinstance(v, Raw):
+        return str(v)
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, int | float):

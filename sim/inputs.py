@@ -57,12 +57,12 @@ def read_input(path: str | Path, what: str, max_bytes: int,
     """
     p = Path(path)
     try:
-        _check_kind(p, what, os.stat(p), error)  # before opening: opening a device can act
+        check_kind(p, what, os.stat(p), error)  # before opening: opening a device can act
         # O_NONBLOCK: should a FIFO have taken the file's place since, opening it won't block
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(fd)
-            _check_kind(p, what, st, error)
+            check_kind(p, what, st, error)
             _check_size(p, what, st.st_size, max_bytes, error)
             raw = f.read(max_bytes + 1)
     except OSError as e:
@@ -71,7 +71,7 @@ def read_input(path: str | Path, what: str, max_bytes: int,
     return raw
 
 
-def _check_kind(p: Path, what: str, st: os.stat_result, error: type[KvsimError]) -> None:
+def check_kind(p: Path, what: str, st: os.stat_result, error: type[KvsimError]) -> None:
     if not stat.S_ISREG(st.st_mode):
         kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a file")
         raise error(f"{p}: {what}: must be a regular file (got {kind})")

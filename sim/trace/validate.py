@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sim.errors import TraceError
+from sim.inputs import check_kind, read_input
 
 # Rows per table a reader takes: the reader holds whole tables in memory (~200 B a row before
 # lists), and a small Parquet file of repeated values can decode to any number of rows.
@@ -79,21 +79,13 @@ def regular_file(file: Path) -> os.stat_result:
         st = os.stat(file)
     except OSError as e:
         raise TraceError(f"{file} is missing ({e.strerror})") from e
-    if not stat.S_ISREG(st.st_mode):
-        raise TraceError(f"{file}: must be a regular file (got a FIFO, device or directory)")
+    check_kind(file, "trace table", st, TraceError)
     return st
 
 
 def read_manifest_bytes(file: Path) -> bytes:
     """manifest.json's bytes, refusing a non-regular or oversize file before reading it."""
-    size = regular_file(file).st_size
-    if size > MAX_MANIFEST_BYTES:
-        raise TraceError(f"{file}: size: at most {MAX_MANIFEST_BYTES} bytes (got {size})")
-    with open(file, "rb") as fh:
-        data = fh.read(MAX_MANIFEST_BYTES + 1)
-    if len(data) > MAX_MANIFEST_BYTES:  # it grew since the stat
-        raise TraceError(f"{file}: size: at most {MAX_MANIFEST_BYTES} bytes")
-    return data
+    return read_input(file, "manifest", MAX_MANIFEST_BYTES, TraceError)
 
 
 def check_files(root: Path, names: tuple[str, ...], counts: dict) -> None:

@@ -46,10 +46,15 @@ def split_key(key: str) -> tuple[str, str]:
     return metric, stat
 
 
+MAX_MS = 1e9  # an SLO of more than eleven days is a typo
+
+
 def check_bound(ms: object) -> float:
-    """A bound is a finite number of ms above 0 (not a boolean)."""
+    """A bound is a finite number of ms above 0 and at most MAX_MS (not a boolean)."""
     if isinstance(ms, bool) or not isinstance(ms, int | float) or not 0 < ms < math.inf:
         raise ValueError(f"a bound in ms, a finite number > 0 (got {ms!r})")
+    if ms > MAX_MS:
+        raise ValueError(f"a bound in ms, at most {MAX_MS:g} (got {ms!r})")
     return float(ms)
 
 

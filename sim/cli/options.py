@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 from sim.errors import KvsimError
-from sim.sweep.spec import MAX_MS  # an SLO, as a sweep file bounds it
 
 MAX_WORKERS = 256  # local processes; more only thrash a host's cores and memory
 MAX_SECONDS = 86_400  # a budget past a day is a typo, not a plan
@@ -37,14 +36,6 @@ def check_seconds(value: float, flag: str) -> None:
     _range(flag, value, 0, MAX_SECONDS, f"seconds in (0, {MAX_SECONDS}]")
     if value == 0:
         raise OptionError(f"{flag}: seconds in (0, {MAX_SECONDS}] (got {value})")
-
-
-def check_ms(value: float | None, flag: str) -> None:
-    """A latency bound in ms (an SLO): finite and more than 0."""
-    if value is not None:
-        _range(flag, value, 0, MAX_MS, f"milliseconds in (0, {MAX_MS:g}]")
-        if value == 0:
-            raise OptionError(f"{flag}: milliseconds in (0, {MAX_MS:g}] (got {value})")
 
 
 def check_tolerance(value: float | None, flag: str = "--tol") -> None:

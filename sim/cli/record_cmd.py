@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from sim.cli.choices import RealEngine
 from sim.cli.common import console, err_console, user_errors
-from sim.cli.report import result_json
+from sim.cli.report import print_violations, result_json
 
 if TYPE_CHECKING:
     from sim.engines.record import Recorded
@@ -77,7 +76,4 @@ def _print(res: Recorded, limit: int) -> None:
                  ("trace", str(res.trace_dir))]:
         t.add_row(k, v)
     console.print(t)
-    for bad in res.violations[:limit]:
-        console.print(f"[red]{escape(bad.message)}[/]", highlight=False)
-    if len(res.violations) > limit:
-        console.print(f"... and {len(res.violations) - limit} more")
+    print_violations(console, res.violations, limit)

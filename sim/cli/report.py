@@ -1,4 +1,5 @@
-"""The one JSON shape of `kvsim run --json` and `kvsim check --json` (docs/checking.md)."""
+"""What `run`, `record` and `check` report: the one JSON shape of `--json` (docs/checking.md)
+and the violations on screen."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import json
 import math
 from collections.abc import Iterable
 from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
 
 from sim.trace.records import Violation
 
@@ -23,3 +27,11 @@ def result_json(command: str, source: Path, summary: dict, violations: Iterable[
         "summary": {k: _plain(v) for k, v in summary.items()},
         "violations": [{"step": v.step, "request": v.request, "invariant": v.invariant,
                         "message": v.message} for v in violations]}, indent=2)
+
+
+def print_violations(console: Console, violations: list[Violation], limit: int) -> None:
+    """The first `limit` violations, one line each, then how many more there are."""
+    for v in violations[:limit]:
+        console.print(f"[red]{escape(v.message)}[/]", highlight=False)
+    if len(violations) > limit:
+        console.print(f"... and {len(violations) - limit} more")

@@ -11,7 +11,7 @@ from rich.table import Table
 from sim.cli.choices import Engine
 from sim.cli.common import console, err_console, parse_switches, user_errors
 from sim.cli.options import check_count, check_seed
-from sim.cli.report import result_json
+from sim.cli.report import print_violations, result_json
 
 
 def register(app: typer.Typer) -> None:
@@ -117,7 +117,4 @@ def _print(res, profile: str, limit: int) -> None:  # type: ignore[no-untyped-de
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
-    for v in res.violations[:limit]:
-        console.print(f"[red]{v.message}[/]", highlight=False)
-    if len(res.violations) > limit:
-        console.print(f"... and {len(res.violations) - limit} more")
+    print_violations(console, res.violations, limit)

@@ -16,6 +16,7 @@ from sim.errors import KvsimError
 from sim.sweep.worker import PointTask, run_point
 
 CONNECT_TIMEOUT_S = 5.0  # a head node on the same network answers well within this
+SETTLE_TIMEOUT_S = 10.0  # cancelled points stop at their next bytecode; a stuck one is left
 _ALLOWED = "HOST:PORT of a running Ray head node, ray://HOST:PORT or auto"
 
 
@@ -58,15 +59,25 @@ def _probe(address: str) -> None:
 
 
 def run_points(ray: ModuleType, tasks: list[PointTask]) -> Iterator[tuple[PointTask, dict]]:
-    """Each task's row as it finishes. A user error in a worker comes back as itself; the
-    points still running then end with the caller's `ray.shutdown()` (a job's tasks die with
-    its driver)."""
+    """Each task's row as it finishes. A user error in a worker comes back as itself, once
+    the points still in flight are cancelled and settled: a worker killed by the driver's
+    `ray.shutdown()` would otherwise be retried and log Ray's own errors on our stderr."""
     remote = ray.remote(run_point)
     pending = {remote.remote(t): t for t in tasks}
-    while pending:
-        done, _ = ray.wait(list(pending), num_returns=1)
-        for ref in done:
-            yield pending.pop(ref), _get(ray, ref)
+    try:
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            for ref in done:
+                yield pending.pop(ref), _get(ray, ref)
+    except BaseException:
+        _settle(ray, list(pending))
+        raise
+
+
+def _settle(ray: ModuleType, refs: list) -> None:
+    for ref in refs:
+        ray.cancel(ref)
+    ray.wait(refs, num_returns=len(refs), timeout=SETTLE_TIMEOUT_S)
 
 
 def _get(ray: ModuleType, ref: object) -> dict:

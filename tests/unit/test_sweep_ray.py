@@ -141,6 +141,25 @@ def test_a_workers_user_error_is_one_line(head: str, tmp_path: Path) -> None:
     assert "absent.csv" in lines[0] and "Traceback" not in res.stderr
 
 
+def test_a_workers_user_error_beside_running_points_is_one_line(head: str,
+                                                                tmp_path: Path) -> None:
+    """One point fails at once while others still simulate: they are cancelled and settled
+    before the driver leaves, so Ray logs nothing of its own on kvsim's stderr."""
+    rows = "".join(f"2023-11-16 18:15:{i // 1000:02d}.{i % 1000:03d}0000,{300 + i % 500},"
+                   f"{20 + i % 40}\n" for i in range(20_000))
+    (tmp_path / "long.csv").write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    trace = "[workload.trace]\npath = \"long.csv\"\nformat = \"azure2023\"\n"
+    (tmp_path / "base.toml").write_text(BASE.split("[workload.synthetic]")[0] + trace
+                                        + "[cost]\n")
+    (tmp_path / "s.toml").write_text('base = "base.toml"\n[grid]\n"workload.trace.path" = '
+                                     '["long.csv", "absent.csv", "long.csv"]\n')
+    res = kvsim("sweep", "s.toml", "--out", "o", "--address", head, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "absent.csv" in lines[0], res.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def sweep_in_process(tmp_path: Path, address: str) -> tuple[int, str]:
     """The CLI in this process (no Ray start-up to pay): the address is refused before
     `ray.init`, so no Ray state is left behind in it."""

@@ -135,7 +135,7 @@ def test_every_case_finishes_and_frees_everything(runs):
 def test_same_step_prefix_hit_is_flagged_by_i5(runs):
     """vLLM hashes a block when its chunk is scheduled, so req 1 hits req 0's blocks in the
     step that writes them. kvsim's I5 (a page written is the writer's alone) flags it;
-    docs/fidelity.md says why it is harmless in vLLM and what kvsim would have to change."""
+    docs/vllm.md says why it is harmless in vLLM and what kvsim would have to change."""
     conv = Converter(16, 11, 8192)
     ck = StepChecker({"tokens_per_block": 16, "num_blocks": 11, "null_block": True})
     found = []

@@ -1,4 +1,5 @@
-"""Results cached by content: sha256 of the normalized scenario JSON + kvsim version.
+"""Results cached by content: sha256 of the normalized scenario JSON, the contents of the files
+it reads (workload trace, calibration) and the kvsim version.
 
 One JSON file per simulated run under DIR/cache/<2 hex>/<hash>.json, written to a temporary name
 and renamed, so an interrupted sweep resumes from whatever finished and never reads a half entry.
@@ -12,10 +13,24 @@ import os
 from pathlib import Path
 
 
-def content_key(scenario: dict, version: str, base_dir: str) -> str:
-    blob = json.dumps({"scenario": scenario, "kvsim": version, "base_dir": base_dir},
-                      sort_keys=True, separators=(",", ":"))
+def content_key(scenario: dict, version: str, base_dir: str,
+                inputs: dict[str, str] | None = None) -> str:
+    """`inputs`: a digest per file the scenario reads, so an edited trace is not a hit."""
+    blob = json.dumps({"scenario": scenario, "kvsim": version, "base_dir": base_dir,
+                       "inputs": inputs or {}}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a file's bytes; "" when it cannot be read (the run then names the error)."""
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    except OSError:
+        return ""
+    return h.hexdigest()
 
 
 class ResultCache:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sim.sweep.cache import ResultCache, content_key
+from sim.sweep.cache import ResultCache, content_key, file_digest
 from sim.sweep.spec import Search, Slo, set_path
 
 if TYPE_CHECKING:
@@ -53,6 +53,21 @@ def simulate(sc: Scenario, base_dir: str, slo: Slo) -> dict:
                       "steps": res.summary["steps"], "violations": res.summary["violations"]}
 
 
+def input_digests(sc: Scenario, base_dir: Path) -> dict[str, str]:
+    """The files a scenario reads, by role: the workload trace (resolved as the run resolves
+    it) and the calibration table."""
+    from sim.workload.traces import resolve_trace
+
+    out = {}
+    trace = sc.workload.trace
+    if trace is not None and (file := resolve_trace(trace.path, base_dir)) is not None:
+        out["workload.trace"] = file_digest(file)
+    if sc.cost.calibration:
+        path = Path(sc.cost.calibration)
+        out["cost.calibration"] = file_digest(path if path.is_absolute() else base_dir / path)
+    return out
+
+
 class _Runner:
     def __init__(self, task: PointTask) -> None:
         self.task, self.cache = task, ResultCache(task.cache_dir)
@@ -65,7 +80,7 @@ class _Runner:
         sc = parse_scenario(scenario)
         # the SLO is part of the key: goodput and attainment are computed under it
         key = content_key(sc.model_dump(mode="json"), f"{self.task.version} slo={self.slo}",
-                          self.task.base_dir)
+                          self.task.base_dir, input_digests(sc, Path(self.task.base_dir)))
         hit = self.cache.get(key)
         if hit is not None:
             self.cached += 1

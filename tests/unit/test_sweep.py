@@ -109,6 +109,32 @@ def test_run_delete_one_rerun_recomputes_one(tmp_path) -> None:
 
 
 @needs_api
+def test_an_edited_workload_trace_is_not_a_cache_hit(tmp_path) -> None:
+    """The cache key holds the trace file's bytes: same path, new contents, new results."""
+    from sim.sweep import run_sweep
+
+    trace = tmp_path / "t.csv"
+    head = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+    trace.write_text(head + "".join(f"2023-11-16 18:15:{i:02d}.0000000,{40 + i},8\n"
+                                    for i in range(10)))
+    base = BASE.split("[workload.synthetic]")[0] + (
+        '[workload.trace]\npath = "t.csv"\nformat = "azure2023"\n[cost]\n')
+    (tmp_path / "base.toml").write_text(base)
+    (tmp_path / "s.toml").write_text('base = "base.toml"\n[grid]\n'
+                                     '"scheduler.max_batch_size" = [2, 8]\n')
+    spec, sc = load_sweep(tmp_path / "s.toml")
+    first = run_sweep(spec, sc, tmp_path / "out", workers=1)
+    assert (first.computed, first.cached) == (2, 0)
+    trace.write_text(head + "".join(f"2023-11-16 18:15:{i:02d}.0000000,{400 + i},8\n"
+                                    for i in range(10)))
+    again = run_sweep(spec, sc, tmp_path / "out", workers=1)
+    assert (again.computed, again.cached) == (2, 0)
+    assert again.results.column("requests").to_pylist() == [10, 10]
+    unchanged = run_sweep(spec, sc, tmp_path / "out", workers=1)
+    assert (unchanged.computed, unchanged.cached) == (0, 2)
+
+
+@needs_api
 def test_grid_value_errors_name_the_point(tmp_path) -> None:
     from sim.sweep import run_sweep
 

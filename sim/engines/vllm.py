@@ -63,9 +63,23 @@ def refuse_unsupported(sc: Scenario, where: str, profile: str | None = None) -> 
         raise ScenarioError(f"{where}: scheduler.policy: a TensorRT-LLM capacity policy; vLLM "
                             "has its own (preempt from the running tail): remove it (got "
                             f"{sc.scheduler.policy!r})")
+    _refuse_budgets(sc, where)
     if sc.overlap.enabled:
         raise ScenarioError(f"{where}: overlap.enabled: the adapter drives vLLM's synchronous "
                             "engine step (async scheduling is not driven yet): false (got true)")
+
+
+def _refuse_budgets(sc: Scenario, where: str) -> None:
+    """What vLLM's SchedulerConfig refuses (vllm/config/scheduler.py `verify_max_model_len`)."""
+    s = sc.scheduler
+    if s.max_num_tokens < s.max_batch_size:
+        raise ScenarioError(f"{where}: scheduler.max_num_tokens: vLLM needs at least "
+                            f"scheduler.max_batch_size ({s.max_batch_size}) (got "
+                            f"{s.max_num_tokens})")
+    if s.chunk_size > sc.limits.max_seq_len:
+        raise ScenarioError(f"{where}: scheduler.chunk_size: vLLM's long_prefill_token_threshold "
+                            f"is at most limits.max_seq_len ({sc.limits.max_seq_len}) (got "
+                            f"{s.chunk_size})")
 
 
 def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0,

@@ -126,6 +126,20 @@ class Scenario(BaseModel):
     workload: WorkloadConfig
     cost: CostConfig = Field(default_factory=CostConfig)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: object) -> object:
+        """Profile vllm-v1 starts from vLLM's defaults where the scenario says nothing: prefix
+        caching on (`reuse = "full"`) and the synchronous engine (overlap off)."""
+        if not isinstance(data, dict) or data.get("profile") != "vllm-v1":
+            return data
+        data = dict(data)
+        for section, key, value in (("cache", "reuse", "full"), ("overlap", "enabled", False)):
+            part = data.get(section, {})
+            if isinstance(part, dict) and key not in part:
+                data[section] = {**part, key: value}
+        return data
+
     @model_validator(mode="after")
     def _cross(self) -> Scenario:
         lim, d = self.limits.max_seq_len, self.spec.depth

@@ -76,6 +76,13 @@ def _refuse_budgets(sc: Scenario, where: str) -> None:
         raise ScenarioError(f"{where}: scheduler.max_num_tokens: vLLM needs at least "
                             f"scheduler.max_batch_size ({s.max_batch_size}) (got "
                             f"{s.max_num_tokens})")
+    step = 1 + sc.spec.depth
+    if 0 < s.chunk_size < step and sc.spec.depth:
+        # docs/vllm.md: a request admitted with one token left is padded to a whole
+        # speculative step, which this threshold then cuts: `Scheduler.schedule` asserts
+        raise ScenarioError(f"{where}: scheduler.chunk_size: vLLM 0.33.0 fails an assertion "
+                            f"when it is below one speculative step, 1 + spec.max_draft_len "
+                            f"({step}): 0 or at least {step} (got {s.chunk_size})")
     if s.chunk_size > sc.limits.max_seq_len:
         raise ScenarioError(f"{where}: scheduler.chunk_size: vLLM's long_prefill_token_threshold "
                             f"is at most limits.max_seq_len ({sc.limits.max_seq_len}) (got "

@@ -43,6 +43,7 @@ def run_vllm_model(sc: Scenario, base_dir: Path | None,
     """Run `sc` through the vLLM model into `sink` (sim/api.py `_Sink`): every step, then every
     request. Returns (totals, steps, usable blocks, end time) as `run` summarises them."""
     refuse_unsupported(sc, "scenario", PROFILE)
+    _refuse_small_pool(sc)
     p = payload(sc, base_dir)
     B = sc.cache.tokens_per_block
     conv = Converter(B, sc.cache.num_blocks,
@@ -68,6 +69,18 @@ def run_vllm_model(sc: Scenario, base_dir: Path | None,
         totals["proposed"] += rec.proposed_drafts
         totals["preemptions"] += rec.num_preemptions
     return totals, steps, sc.cache.num_blocks - 1, now
+
+
+def _refuse_small_pool(sc: Scenario) -> None:
+    """vLLM's engine does not start when one request of max_model_len cannot fit the pool less
+    its null block (kv_cache_planning.py `check_enough_kv_cache_memory`; the driver's check)."""
+    need = -(-sc.limits.max_seq_len // sc.cache.tokens_per_block)
+    have = sc.cache.num_blocks - 1
+    if need > have:
+        raise ScenarioError(f"scenario: cache.num_blocks: vLLM does not start: one request of "
+                            f"max_model_len {sc.limits.max_seq_len} needs {need} blocks and the "
+                            f"pool has {have} besides the null block (got "
+                            f"{sc.cache.num_blocks} blocks)")
 
 
 def _steps(objs: Iterator[dict], final: dict) -> Iterator[dict]:

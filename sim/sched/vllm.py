@@ -183,6 +183,8 @@ class VllmScheduler:
             if 0 < thr < n:
                 n = thr
             n = min(n, budget)
+            # vLLM asserts here; the adapter refuses a threshold below 1 + k (docs/vllm.md)
+            assert not pad or n == 1 + self.k, "a padded step was cut: refused input got here"
             if not self.kv.allocate_slots(r, n, hit, self.k, admit=True):
                 break
             self.waiting.popleft()

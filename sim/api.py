@@ -289,6 +289,12 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
 
 def _supported(sc: Scenario, sw: Switches, name: str) -> None:
     """Combinations a profile's engine does not have are input errors, not false alarms."""
+    if name.split("+")[0] != "vllm-v1":
+        for field, on in (("cache.reset_prefix_cache_ns", sc.cache.reset_prefix_cache_ns),
+                          ("spec.eagle_block_drop", sc.spec.eagle_block_drop)):
+            if on:
+                raise ProfileError(f"{field}: a vLLM behaviour; profile {name!r} is not vLLM "
+                                   "(use profile vllm-v1)")
     if sc.spec.mode == "mtp" and sc.spec.extra_kv_tokens and sw.gen_table_width != "reserved":
         raise ProfileError(
             f"spec.extra_kv_tokens = {sc.spec.extra_kv_tokens} needs a generation page table that "

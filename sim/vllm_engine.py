@@ -54,12 +54,16 @@ class VllmRun:
         self.objs: dict[int, VRequest] = {}
         self.carry: list[list] = []  # events of steps that scheduled nothing
         self.preempted: list[int] = []
+        self.resets = list(p.get("reset_prefix_cache_ns", ()))
 
     def run(self) -> Iterator[dict]:
         """The driver's objects: one per launched step, then `{"requests": [...]}`."""
         k, idle = 0, 0
         while k < self.p["max_steps"]:
             self._arrive()
+            while self.resets and self.resets[0] <= self.now:  # as the driver calls it
+                self.resets.pop(0)
+                self.s.reset_prefix_cache()
             if not self.s.has_requests() or idle > 1:
                 if self.next >= len(self.reqs):
                     break

@@ -120,6 +120,9 @@ def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0,
         "max_model_len": sc.limits.max_seq_len,
         "max_position_embeddings": sc.model.max_position_embeddings,
         "num_spec_tokens": k,
+        "eagle_block_drop": sc.spec.eagle_block_drop,
+        # when the engine calls Scheduler.reset_prefix_cache()
+        "reset_prefix_cache_ns": sorted(sc.cache.reset_prefix_cache_ns),
         # the simple cost model's coefficients (sim/cost: SimpleCost) time the steps
         "dev_ns": [c.step_base_ns, c.ns_per_token, c.ns_per_kv_token],
         "host_ns": [c.host_base_ns, c.host_ns_per_row],

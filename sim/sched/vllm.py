@@ -105,6 +105,10 @@ class VllmScheduler:
     def add_request(self, r: VRequest) -> None:
         self.waiting.append(r)
 
+    def reset_prefix_cache(self) -> bool:
+        """`reset_prefix_cache()` (running requests kept): done only when no block is held."""
+        return self.kv.pool.reset_prefix_cache()
+
     def has_requests(self) -> bool:
         return bool(self.waiting or self.running or self.finished_ids)
 

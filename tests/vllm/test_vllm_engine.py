@@ -23,50 +23,12 @@ from sim.engines.record import record
 from sim.engines.vllm import run_driver, vllm_python
 from sim.engines.vllm_trace import Converter
 
+from vllm_cases import CASES
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason="no .venv-vllm (make vllm-env)")
-
-LATER = 10**6  # ns: long after the requests before it finished (a step here is ~1 µs)
-
-
-def _req(i: int, prompt: list[int], arrival: int = 0) -> dict:
-    # max_tokens 1: each request finishes (and is freed) right after its prefill, as the
-    # tests free theirs right after allocating
-    return {"id": i, "arrival_ns": arrival, "prompt": prompt, "output": [7, 7, 7],
-            "output_len": 1, "accept": []}
-
-
-def _case(block_size: int, num_blocks: int, reqs: list[dict], budget: int = 256,
-          max_len: int = 8192) -> dict:
-    return {"block_size": block_size, "num_blocks": num_blocks, "prefix_caching": True,
-            "max_num_seqs": 16, "max_num_batched_tokens": budget,
-            "long_prefill_token_threshold": 0, "max_model_len": max_len,
-            "max_position_embeddings": max_len, "num_spec_tokens": 0,
-            "dev_ns": [1000, 0, 0], "host_ns": [0, 0], "max_steps": 64, "requests": reqs,
-            # vLLM's tests build the manager without EngineCore's start-up check (a pool that
-            # holds one request of max_model_len), and so do these
-            "startup_check": False}
-
-
-COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16
-CASES = {
-    # test_prefix_caching.py::test_prefill
-    "prefill": _case(16, 11, [_req(0, COMMON + [3] * 7), _req(1, COMMON + [3] * 5),
-                              _req(2, COMMON + [3] * 6, LATER), _req(3, [99] * 160, 2 * LATER)]),
-    # test_prefix_caching.py::test_evict
-    "evict": _case(16, 11, [_req(0, list(range(87))), _req(1, list(range(87, 135))),
-                            _req(2, list(range(35)), LATER)]),
-    # test_prefix_caching.py::test_computed_blocks_not_evicted
-    "not_evicted": _case(16, 3, [_req(0, list(range(16))), _req(1, list(range(16, 32))),
-                                 _req(2, list(range(32)), LATER)]),
-    # test_scheduler.py::test_schedule_partial_requests (its text-only form: create_requests
-    # gives request i the prompt [i] * num_tokens)
-    "partial": _case(16, 200, [_req(i, [i] * 800) for i in range(3)], budget=1024,
-                     max_len=1024),
-}
-
 
 @pytest.fixture(scope="module")
 def runs() -> dict[str, list[dict]]:
@@ -120,6 +82,10 @@ def test_computed_blocks_not_evicted(runs):
 def test_schedule_partial_requests(runs):
     first = runs["partial"][0]
     assert {r["request"]: r["q"] for r in first["rows"]} == {0: 800, 1: 224}
+
+
+def test_reset_prefix_cache(runs):
+    assert [_blocks_hit(runs["reset"], i)[1] for i in range(4)] == [0, 0, 48, 0]
 
 
 def test_every_case_finishes_and_frees_everything(runs):

@@ -39,7 +39,10 @@ def vllm_scenarios(draw: st.DrawFn) -> dict[str, Any]:
         "seed": draw(st.integers(0, 1000)), "profile": "vllm-v1",
         "model": {"max_position_embeddings": lim},
         "cache": {"tokens_per_block": b, "num_blocks": need + draw(st.integers(0, 3 * need)),
-                  "reuse": draw(st.sampled_from(("full", "off")))},
+                  "reuse": draw(st.sampled_from(("full", "off"))),
+                  # vLLM's reset_prefix_cache, mostly while blocks are held (then a no-op)
+                  "reset_prefix_cache_ns": draw(st.lists(
+                      st.integers(0, 40).map(lambda t: t * STEP_NS), max_size=2))},
         "scheduler": {"max_batch_size": (seqs := draw(st.integers(1, 6))),
                       "max_num_tokens": draw(st.integers(max(1 + k, seqs), 8 * b + k + seqs)),
                       "chunk_size": min(_chunk(draw, b, k), lim)},
@@ -52,7 +55,8 @@ def vllm_scenarios(draw: st.DrawFn) -> dict[str, Any]:
         acc: dict[str, Any] = draw(st.sampled_from((
             {"kind": "rates", "rates": [0.9, 0.6, 0.5, 0.3][:k]},
             {"kind": "forced", "accepted": [0, k, 1 % (k + 1)]})))
-        sc["spec"] = {"mode": "mtp", "max_draft_len": k, "acceptance": acc}
+        sc["spec"] = {"mode": "mtp", "max_draft_len": k, "acceptance": acc,
+                      "eagle_block_drop": draw(st.booleans())}
     return sc
 
 

@@ -10,20 +10,22 @@ absent; `make test` builds it.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+from vllm_cases import CASES
+from vllm_workloads import generated
 
 from sim.check import StepChecker
 from sim.cli import app
-from sim.config import parse_scenario
+from sim.config import load_scenario, parse_scenario
 from sim.engines.record import record
-from sim.engines.vllm import run_driver, vllm_python
+from sim.engines.vllm import payload, refuse_unsupported, run_driver, vllm_python
 from sim.engines.vllm_trace import Converter
-
-from vllm_cases import CASES
+from sim.vllm_engine import VllmRun
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -147,17 +149,75 @@ def test_default_scenario_reprofiled_for_vllm_records_clean(tmp_path):
     assert res.summary["finished"] == res.summary["requests"]
 
 
-def test_diff_reports_where_the_profile_departs(tmp_path):
-    """kvsim's vllm-v1 profile allocates a whole prompt at admission; vLLM allocates per
-    chunk: the first divergence is step 1's block tables (request 2's 96-token chunk of a
-    longer prompt gets 6 blocks from vLLM), until the profile is rebuilt (issue 54)."""
+def test_diff_finds_no_divergence_on_the_small_scenario():
+    """kvsim's vllm-v1 profile against vLLM, every field of every step (`--all`)."""
     r = CliRunner().invoke(app, ["diff", "--engine", "vllm", str(HERE / "small.toml"),
-                                 "--json"])
-    assert r.exit_code == 1, r.output
-    first = json.loads(r.output)["first"]
-    assert (first["step"], first["field"]) == (1, "block_tables")
-    assert first["vllm"] == {"0": [1, 2, 3], "1": [4, 5, 6, 7], "2": [8, 9, 10]}
-    assert len(first["kvsim"]["2"]) > len(first["vllm"]["2"])
+                                 "--all", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["first"] is None and res["tally"] == {} and res["steps"][0] == res["steps"][1]
+
+
+def _norm(o: dict) -> dict:
+    """A step object with its block hashes zeroed (vLLM's are sha256 of its own encoding;
+    the model's are kvsim's): everything else must match exactly."""
+    o = json.loads(json.dumps(o))
+    for key in ("sched_events", "proc_events", "events"):
+        for e in o.get(key, ()):
+            e[5] = 0
+    return o
+
+
+def _mismatches(payloads: list[dict]) -> list[str]:
+    """Run every payload through the real engine (one driver process) and the model; name
+    each payload whose step objects differ, with the first object and key that differ."""
+    real: list[list[dict]] = [[]]
+    for o in run_driver({"runs": payloads}):
+        real[-1].append(_norm(o))
+        if "requests" in o:
+            real.append([])
+    bad = []
+    for p, want in zip(payloads, real, strict=False):
+        got = [_norm(o) for o in VllmRun(p).run()]
+        if got != want:
+            bad.append(f"{p['where']}: {_first_difference(got, want)}")
+    return bad
+
+
+def _first_difference(got: list[dict], want: list[dict]) -> str:
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return f"object {i} differs in {sorted(k for k in b if a.get(k) != b[k])}"
+    return f"{len(got)} objects, vLLM {len(want)}"
+
+
+def _scenario_payload(path: Path) -> dict:
+    sc, base = load_scenario(path)
+    refuse_unsupported(sc, str(path))
+    return payload(sc, base, where=path.name)
+
+
+def test_the_profile_is_vllm_on_the_shipped_and_the_vllm_cases():
+    """Step for step (rows, block tables, block events in the pool's order, free and cached
+    counts, preemptions, accepted drafts, the requests report): small.toml, tiny.toml, the
+    default workload as vLLM runs it (scenarios/vllm.toml) and vLLM's own test cases."""
+    ps = [_scenario_payload(HERE / "small.toml"), _scenario_payload(HERE / "tiny.toml"),
+          _scenario_payload(ROOT / "scenarios" / "vllm.toml")]
+    ps += [dict(p, where=name) for name, p in CASES.items()]
+    assert _mismatches(ps) == []
+
+
+def test_the_profile_is_vllm_on_generated_workloads():
+    """Hypothesis-generated workloads (tests/vllm/vllm_workloads.py: chunked prefill, shared
+    prefixes, preemption pressure, EAGLE k = 1-4, budgets, prefix-cache resets), seeded;
+    KVSIM_VLLM_WORKLOADS sets how many (docs/vllm.md gives the figure)."""
+    n = int(os.environ.get("KVSIM_VLLM_WORKLOADS", "100"))
+    ps = []
+    for i, d in enumerate(generated(n)):
+        sc = parse_scenario(d, f"generated #{i}")
+        refuse_unsupported(sc, f"generated #{i}")
+        ps.append(payload(sc, where=f"generated #{i}"))
+    assert len(ps) == n and _mismatches(ps) == []
 
 
 def test_recorded_trace_replays_through_the_cpu_reference(tmp_path):

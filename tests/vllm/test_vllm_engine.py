@@ -25,6 +25,7 @@ from sim.config import load_scenario, parse_scenario
 from sim.engines.record import record
 from sim.engines.vllm import payload, refuse_unsupported, run_driver, vllm_python
 from sim.engines.vllm_trace import Converter
+from sim.errors import KvsimError
 from sim.vllm_engine import VllmRun
 
 HERE = Path(__file__).parent
@@ -244,3 +245,16 @@ def test_a_pool_vllm_would_not_start_with_is_refused(tmp_path):
     assert r.exit_code == 2, r.output
     assert ": cache.num_blocks: vLLM does not start: " in r.output and "needs 16 blocks" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
+
+
+def test_a_padded_step_cut_by_the_threshold_fails_vllms_assertion(tmp_path):
+    """docs/vllm.md: vLLM 0.33.0 asserts when long_prefill_token_threshold cuts a request
+    padded to a speculative step. The adapter refuses the threshold (exit 2); on vLLM itself,
+    that refusal bypassed, the engine fails the assertion."""
+    path = HERE / "padded_step_assert.toml"
+    r = CliRunner().invoke(app, ["record", "--engine", "vllm", str(path),
+                                 "--out", str(tmp_path / "t")])
+    assert r.exit_code == 2 and ": scheduler.chunk_size: vLLM 0.33.0 fails an assertion" in r.output
+    sc, base = load_scenario(path)
+    with pytest.raises(KvsimError, match="assert num_new_tokens == 1 \\+ self.num_spec_tokens"):
+        list(run_driver(payload(sc, base)))

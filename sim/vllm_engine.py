@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from sim.kv.vllm_manager import VllmKV
-from sim.sched.vllm import Scheduled, Status, VConfig, VllmScheduler, VRequest
+from sim.sched.vllm import Scheduled, VConfig, VllmScheduler, VRequest
 
 
 def _fresh() -> dict:
@@ -212,6 +212,3 @@ class VllmRun:
                         "steps": inf["steps"], "accepted": inf["accepted"],
                         "proposed": inf["proposed"]})
         return out
-
-
-__all__ = ["Status", "VllmRun", "build"]

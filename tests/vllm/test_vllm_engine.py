@@ -33,17 +33,48 @@ ROOT = HERE.parents[1]
 pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason="no .venv-vllm (make vllm-env)")
 
+GENERATED = int(os.environ.get("KVSIM_VLLM_WORKLOADS", "100"))
+
+
+def _scenario_payload(path: Path) -> dict:
+    sc, base = load_scenario(path)
+    refuse_unsupported(sc, str(path))
+    return payload(sc, base, where=path.name)
+
+
+def _generated_payloads(n: int) -> dict[str, dict]:
+    out = {}
+    for i, d in enumerate(generated(n)):
+        where = f"generated #{i}"
+        sc = parse_scenario(d, where)
+        refuse_unsupported(sc, where)
+        out[where] = payload(sc, where=where)
+    return out
+
+
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    """Each case's objects from the driver: its steps, then its requests report."""
-    out: dict[str, list[dict]] = {name: [] for name in CASES}
-    names = iter(CASES)
+def real() -> dict[str, tuple[dict, list[dict]]]:
+    """name -> (payload, the driver's objects: its steps, then its requests report) for every
+    payload these tests run on vLLM, in one driver process (its start-up is most of the cost):
+    vLLM's test cases, the shipped vLLM scenarios and the generated workloads."""
+    ps = {name: dict(p, where=name) for name, p in CASES.items()}
+    for path in (HERE / "small.toml", HERE / "tiny.toml", ROOT / "scenarios" / "vllm.toml"):
+        ps[path.name] = _scenario_payload(path)
+    ps |= _generated_payloads(GENERATED)
+    out: dict[str, tuple[dict, list[dict]]] = {name: (p, []) for name, p in ps.items()}
+    names = iter(ps)
     name = next(names)
-    for o in run_driver({"runs": list(CASES.values())}):
-        out[name].append(o)
+    for o in run_driver({"runs": list(ps.values())}):
+        out[name][1].append(o)
         if "requests" in o:
             name = next(names, "")
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(real) -> dict[str, list[dict]]:
+    """Each of vLLM's test cases' objects from the driver."""
+    return {name: real[name][1] for name in CASES}
 
 
 def _first_row(objs: list[dict], request: int) -> tuple[dict, dict]:
@@ -169,19 +200,16 @@ def _norm(o: dict) -> dict:
     return o
 
 
-def _mismatches(payloads: list[dict]) -> list[str]:
-    """Run every payload through the real engine (one driver process) and the model; name
-    each payload whose step objects differ, with the first object and key that differ."""
-    real: list[list[dict]] = [[]]
-    for o in run_driver({"runs": payloads}):
-        real[-1].append(_norm(o))
-        if "requests" in o:
-            real.append([])
+def _mismatches(real: dict[str, tuple[dict, list[dict]]], names: list[str]) -> list[str]:
+    """The payloads among `names` whose step objects differ between vLLM and the model, with
+    the first object and keys that differ."""
     bad = []
-    for p, want in zip(payloads, real, strict=False):
+    for name in names:
+        p, objs = real[name]
+        want = [_norm(o) for o in objs]
         got = [_norm(o) for o in VllmRun(p).run()]
         if got != want:
-            bad.append(f"{p['where']}: {_first_difference(got, want)}")
+            bad.append(f"{name}: {_first_difference(got, want)}")
     return bad
 
 
@@ -192,33 +220,20 @@ def _first_difference(got: list[dict], want: list[dict]) -> str:
     return f"{len(got)} objects, vLLM {len(want)}"
 
 
-def _scenario_payload(path: Path) -> dict:
-    sc, base = load_scenario(path)
-    refuse_unsupported(sc, str(path))
-    return payload(sc, base, where=path.name)
-
-
-def test_the_profile_is_vllm_on_the_shipped_and_the_vllm_cases():
+def test_the_profile_is_vllm_on_the_shipped_and_the_vllm_cases(real):
     """Step for step (rows, block tables, block events in the pool's order, free and cached
     counts, preemptions, accepted drafts, the requests report): small.toml, tiny.toml, the
     default workload as vLLM runs it (scenarios/vllm.toml) and vLLM's own test cases."""
-    ps = [_scenario_payload(HERE / "small.toml"), _scenario_payload(HERE / "tiny.toml"),
-          _scenario_payload(ROOT / "scenarios" / "vllm.toml")]
-    ps += [dict(p, where=name) for name, p in CASES.items()]
-    assert _mismatches(ps) == []
+    names = [*CASES, "small.toml", "tiny.toml", "vllm.toml"]
+    assert _mismatches(real, names) == []
 
 
-def test_the_profile_is_vllm_on_generated_workloads():
+def test_the_profile_is_vllm_on_generated_workloads(real):
     """Hypothesis-generated workloads (tests/vllm/vllm_workloads.py: chunked prefill, shared
     prefixes, preemption pressure, EAGLE k = 1-4, budgets, prefix-cache resets), seeded;
     KVSIM_VLLM_WORKLOADS sets how many (docs/vllm.md gives the figure)."""
-    n = int(os.environ.get("KVSIM_VLLM_WORKLOADS", "100"))
-    ps = []
-    for i, d in enumerate(generated(n)):
-        sc = parse_scenario(d, f"generated #{i}")
-        refuse_unsupported(sc, f"generated #{i}")
-        ps.append(payload(sc, where=f"generated #{i}"))
-    assert len(ps) == n and _mismatches(ps) == []
+    names = [n for n in real if n.startswith("generated #")]
+    assert len(names) == GENERATED and _mismatches(real, names) == []
 
 
 def test_recorded_trace_replays_through_the_cpu_reference(tmp_path):

@@ -32,7 +32,7 @@ from sim.api import parse_scenario, run
 
 CONFIGS = (("trtllm-post-17264", "guaranteed-no-evict"),
            ("trtllm-post-17264", "max-utilization"),
-           ("vllm-v1", "guaranteed-no-evict"))
+           ("vllm-v1-legacy", "guaranteed-no-evict"))
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 

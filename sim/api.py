@@ -18,6 +18,7 @@ from sim.check.compiled.records import feed_records
 from sim.check.registry import causal_key
 from sim.config import Scenario, load_scenario, parse_scenario
 from sim.engine import Engine
+from sim.engines.vllm_model import is_vllm_model, run_vllm_model
 from sim.errors import ProfileError, ScenarioError
 from sim.fast import Chunk, FastEngine, StepStream, request_records, supports
 from sim.metrics import LatencyTally
@@ -182,11 +183,13 @@ def _specs(sc: Scenario, base_dir: Path | None) -> tuple[Iterator[RequestSpec], 
 
 
 def _worded(sc: Scenario, sw: Switches, model: dict, base_dir: Path | None, fast: bool,
-            found: list[tuple[str, int, int]]) -> list[Violation]:
+            found: list[tuple[str, int, int]], vllm: bool = False) -> list[Violation]:
     """The compiled checker found violations: run again (the same run: deterministic) through
     StepChecker, the oracle, for their messages. A run that violates nothing never gets here."""
     sink = _Sink(sc, None, StepChecker(model), None, collect=False)
-    if fast:
+    if vllm:
+        run_vllm_model(sc, base_dir, sink)
+    elif fast:
         FastEngine(sc, sw, _specs(sc, base_dir)[0], sink.on_chunk, detail=True).run()
         sink.finish_chunks()
     else:
@@ -232,7 +235,8 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
     if synthetic_workload:
         sc = sc.model_copy(update={"workload": stand_in(sc.workload)})
     name, sw = switches_for(sc, profile, switches)
-    fast = _pick_engine(engine, sc, sw)
+    vllm = is_vllm_model(name, switches, engine)
+    fast = not vllm and _pick_engine(engine, sc, sw)
     model = _model_info(sc, sw)
     specs, source = _specs(sc, base_dir)
     if synthetic_workload and trace is not None:
@@ -244,7 +248,10 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
         compiled = CompiledChecker(model) if check else None
         sink = _Sink(sc, writer, None, on_progress, collect, compiled)
         detail = writer is not None or check
-        if fast:
+        if vllm:
+            state = run_vllm_model(sc, base_dir, sink)
+            raised = []
+        elif fast:
             # without the checker, only the writer takes the rows: stored as they go on disk
             feng = FastEngine(sc, sw, specs, sink.on_chunk, detail, delta=not check)
             feng.run()
@@ -259,10 +266,11 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
             state = (eng.proc.totals, eng.step, eng.kv.pool.num_usable, int(eng.env.now))
         sink.flush_records()
         if compiled is not None and (found := compiled.finish()):
-            sink.violations = _worded(sc, sw, model, base_dir, fast, found)
+            sink.violations = _worded(sc, sw, model, base_dir, fast, found, vllm)
         violations = sorted(raised + sink.violations, key=causal_key)
         summary = _summary(*state, sink, violations)
-        summary |= {"engine": "fast" if fast else "reference", "profile": name}
+        summary |= {"engine": "vllm-model" if vllm else "fast" if fast else "reference",
+                    "profile": name}
         trace_dir = None
         if writer is not None:
             manifest = {"kvsim_version": kvsim_version(), "scenario": sc.model_dump(mode="json"),
@@ -281,6 +289,12 @@ def run(sc: Scenario, *, out: Path | None = None, check: bool = True, progress: 
 
 def _supported(sc: Scenario, sw: Switches, name: str) -> None:
     """Combinations a profile's engine does not have are input errors, not false alarms."""
+    if name.split("+")[0] != "vllm-v1":
+        for field, on in (("cache.reset_prefix_cache_ns", sc.cache.reset_prefix_cache_ns),
+                          ("spec.eagle_block_drop", sc.spec.eagle_block_drop)):
+            if on:
+                raise ProfileError(f"{field}: a vLLM behaviour; profile {name!r} is not vLLM "
+                                   "(use profile vllm-v1)")
     if sc.spec.mode == "mtp" and sc.spec.extra_kv_tokens and sw.gen_table_width != "reserved":
         raise ProfileError(
             f"spec.extra_kv_tokens = {sc.spec.extra_kv_tokens} needs a generation page table that "

@@ -47,6 +47,9 @@ class CacheConfig(BaseModel):
     num_blocks: Int = Field(64, ge=1, le=10_000_000)
     reuse: Literal["off", "full", "partial-copy", "partial-nocopy"] = "partial-copy"
     max_blocks_per_seq: Int = Field(0, ge=0, le=10_000_000)  # 0 = ceil(max_seq_len / B) + 1
+    # Times the engine calls vLLM's `reset_prefix_cache` (e.g. after an RLHF weight update);
+    # it succeeds only when no block is held. Profile vllm-v1 only.
+    reset_prefix_cache_ns: list[Annotated[Int, Field(ge=0, le=2**62)]] = []
 
 
 class SchedulerConfig(BaseModel):
@@ -84,6 +87,9 @@ class SpecConfig(BaseModel):
     model_config = _STRICT
     mode: Literal["none", "mtp"] = "none"
     max_draft_len: Int = Field(0, ge=0, le=64)
+    # vLLM (profile vllm-v1): EAGLE's legacy prefix rule, the last matched block dropped,
+    # instead of block hashes that also cover the token after the block (its default)
+    eagle_block_drop: bool = False
     acceptance: ForcedAcceptance | RateAcceptance = Field(
         default_factory=lambda: ForcedAcceptance(kind="forced", accepted=[0]),
         discriminator="kind")
@@ -125,6 +131,20 @@ class Scenario(BaseModel):
     limits: LimitsConfig = LimitsConfig()
     workload: WorkloadConfig
     cost: CostConfig = Field(default_factory=CostConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_defaults(cls, data: object) -> object:
+        """Profile vllm-v1 starts from vLLM's defaults where the scenario says nothing: prefix
+        caching on (`reuse = "full"`) and the synchronous engine (overlap off)."""
+        if not isinstance(data, dict) or data.get("profile") != "vllm-v1":
+            return data
+        data = dict(data)
+        for section, key, value in (("cache", "reuse", "full"), ("overlap", "enabled", False)):
+            part = data.get(section, {})
+            if isinstance(part, dict) and key not in part:
+                data[section] = {**part, key: value}
+        return data
 
     @model_validator(mode="after")
     def _cross(self) -> Scenario:

@@ -63,9 +63,30 @@ def refuse_unsupported(sc: Scenario, where: str, profile: str | None = None) -> 
         raise ScenarioError(f"{where}: scheduler.policy: a TensorRT-LLM capacity policy; vLLM "
                             "has its own (preempt from the running tail): remove it (got "
                             f"{sc.scheduler.policy!r})")
+    _refuse_budgets(sc, where)
     if sc.overlap.enabled:
         raise ScenarioError(f"{where}: overlap.enabled: the adapter drives vLLM's synchronous "
                             "engine step (async scheduling is not driven yet): false (got true)")
+
+
+def _refuse_budgets(sc: Scenario, where: str) -> None:
+    """What vLLM's SchedulerConfig refuses (vllm/config/scheduler.py `verify_max_model_len`)."""
+    s = sc.scheduler
+    if s.max_num_tokens < s.max_batch_size:
+        raise ScenarioError(f"{where}: scheduler.max_num_tokens: vLLM needs at least "
+                            f"scheduler.max_batch_size ({s.max_batch_size}) (got "
+                            f"{s.max_num_tokens})")
+    step = 1 + sc.spec.depth
+    if 0 < s.chunk_size < step and sc.spec.depth:
+        # docs/vllm.md: a request admitted with one token left is padded to a whole
+        # speculative step, which this threshold then cuts: `Scheduler.schedule` asserts
+        raise ScenarioError(f"{where}: scheduler.chunk_size: vLLM 0.33.0 fails an assertion "
+                            f"when it is below one speculative step, 1 + spec.max_draft_len "
+                            f"({step}): 0 or at least {step} (got {s.chunk_size})")
+    if s.chunk_size > sc.limits.max_seq_len:
+        raise ScenarioError(f"{where}: scheduler.chunk_size: vLLM's long_prefill_token_threshold "
+                            f"is at most limits.max_seq_len ({sc.limits.max_seq_len}) (got "
+                            f"{s.chunk_size})")
 
 
 def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0,
@@ -99,6 +120,9 @@ def payload(sc: Scenario, base_dir: Path | None = None, max_steps: int = 0,
         "max_model_len": sc.limits.max_seq_len,
         "max_position_embeddings": sc.model.max_position_embeddings,
         "num_spec_tokens": k,
+        "eagle_block_drop": sc.spec.eagle_block_drop,
+        # when the engine calls Scheduler.reset_prefix_cache()
+        "reset_prefix_cache_ns": sorted(sc.cache.reset_prefix_cache_ns),
         # the simple cost model's coefficients (sim/cost: SimpleCost) time the steps
         "dev_ns": [c.step_base_ns, c.ns_per_token, c.ns_per_kv_token],
         "host_ns": [c.host_base_ns, c.host_ns_per_row],

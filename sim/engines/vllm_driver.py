@@ -98,7 +98,9 @@ def build(p: dict, root: str):
         spec = SpeculativeConfig(method="eagle", num_speculative_tokens=p["num_spec_tokens"],
                                  model=_model_dir(root, "draft", p["max_position_embeddings"]),
                                  target_model_config=model,
-                                 target_parallel_config=ParallelConfig())
+                                 target_parallel_config=ParallelConfig(),
+                                 # the legacy rule: drop the last matched block instead
+                                 disable_lookahead_block_hashes=p.get("eagle_block_drop", False))
     vcfg = VllmConfig(model_config=model, cache_config=cache, scheduler_config=sched,
                       speculative_config=spec, device_config=DeviceConfig(device="cpu"))
     # One full-attention group, as kv_cache_planning.py builds it for a plain decoder; the
@@ -247,8 +249,17 @@ class Run:
         self.k = p["num_spec_tokens"]
         self.carry: list[list] = []  # events of steps that scheduled nothing
         self.B = p["block_size"]
+        self.resets = list(p.get("reset_prefix_cache_ns", ()))
 
     def arrive(self) -> None:
+        """Arrivals the clock has passed, then the prefix-cache resets it has passed (vLLM's
+        `Scheduler.reset_prefix_cache()`: nothing happens while a block is held)."""
+        self._arrive()
+        while self.resets and self.resets[0] <= self.now:
+            self.resets.pop(0)
+            self.s.reset_prefix_cache()
+
+    def _arrive(self) -> None:
         while self.next < len(self.reqs) and self.reqs[self.next]["arrival_ns"] <= self.now:
             r = self.reqs[self.next]
             self.next += 1

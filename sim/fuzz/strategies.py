@@ -138,7 +138,8 @@ def fast_scenario_dicts(draw: st.DrawFn, max_requests: int = 4) -> dict[str, Any
     engine and the compiled checker to their oracles with."""
     d = draw(scenario_dicts(max_requests=max_requests))
     d.update(spec={"mode": "none"}, overlap={"enabled": False},
-             profile=draw(st.sampled_from(("vllm-v1", "trtllm-post-17264", "trtllm-pre-17264"))))
+             profile=draw(st.sampled_from(("vllm-v1-legacy", "trtllm-post-17264",
+                                           "trtllm-pre-17264"))))
     d["cache"]["reuse"] = "off"
     d["switches"] = {
         "backend": draw(st.sampled_from(("fa2", "fa3", "xqa"))),

@@ -15,8 +15,14 @@ PROFILES: dict[str, Switches] = {
     "trtllm-pre-17264": Switches(overlap_correction=False, first_gen_prompt_boundary=False,
                                  gen_table_width="logical-host", backend="fa2",
                                  plan_key="no-width"),
-    # vLLM v1: null block 0, LRU, FA2 CSR metadata built from device-side seq_lens.
+    # vLLM v1: null block 0, FA2 CSR metadata built from device-side seq_lens. The name runs
+    # kvsim's model of vLLM's own scheduler (sim/vllm_engine.py), not kvsim's TensorRT-LLM
+    # engine; these switches describe its traces.
     "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True),
+    # The vllm-v1 profile before it modelled vLLM's scheduler: kvsim's TensorRT-LLM scheduler
+    # and KV manager with vLLM's null block and FA2 metadata (the fast engine runs it).
+    "vllm-v1-legacy": Switches(gen_table_width="logical-device", backend="fa2",
+                               null_block=True),
 }
 
 

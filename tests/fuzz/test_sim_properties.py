@@ -18,7 +18,7 @@ from sim.fuzz.strategies import scenario_dicts
 KNOWN_PENDING: frozenset[str] = frozenset()  # invariants of known, unfixed bugs (none now)
 
 
-@pytest.mark.parametrize("profile", ["trtllm-post-17264", "vllm-v1"])
+@pytest.mark.parametrize("profile", ["trtllm-post-17264", "vllm-v1-legacy"])
 @given(sc=scenario_dicts())
 def test_fixed_profiles_never_violate(profile: str, sc: dict[str, Any]) -> None:
     hits, _ = evaluate(sc, profile)

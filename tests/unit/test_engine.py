@@ -124,7 +124,7 @@ def test_draft_kv_needs_a_profile_whose_table_exposes_reserved_pages():
         "spec": {"mode": "mtp", "max_draft_len": 2, "extra_kv_tokens": 1},
         "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 8, "output_len": 4}]}})
     with pytest.raises(ProfileError, match="extra_kv_tokens = 1 needs a generation page table"):
-        run(sc, profile="vllm-v1")
+        run(sc, profile="vllm-v1-legacy")
 
 
 def test_regression_a_preemption_freed_in_flight_does_not_apply_stale_results():

@@ -41,7 +41,7 @@ def _supported_scenarios() -> list[str]:
     names = []
     for p in sorted((ROOT / "scenarios").rglob("*.toml")):
         sc, _ = load_scenario(p)
-        for profile in ("trtllm-post-17264", "vllm-v1", "trtllm-pre-17264"):
+        for profile in ("trtllm-post-17264", "vllm-v1-legacy", "trtllm-pre-17264"):
             try:
                 _, sw = switches_for(sc, profile)
             except ProfileError:  # a combination that profile's engine does not have
@@ -57,7 +57,8 @@ def test_only_the_vidur_workload_is_in_the_subset_today():
     assert _supported_scenarios() == []
 
 
-@pytest.mark.parametrize("profile", ["vllm-v1", "trtllm-post-17264", "trtllm-pre-17264"])
+@pytest.mark.parametrize("profile", ["vllm-v1-legacy", "trtllm-post-17264",
+                                     "trtllm-pre-17264"])
 def test_vidur_workload_matches_the_reference(tmp_path, profile):
     sc, base = load_scenario(ROOT / "bench" / "workloads" / "a_vidur.toml")
     syn = sc.workload.synthetic.model_copy(update={"num_requests": 150})  # type: ignore[union-attr]
@@ -84,7 +85,7 @@ def test_checked_runs_agree_under_preemption(tmp_path):
     """The online checker fed from the fast engine's columns (through StepStream) sees what it
     sees fed records, on a pool small enough to preempt and recompute."""
     sc = parse_scenario({
-        "seed": 3, "profile": "vllm-v1", "spec": {"mode": "none"},
+        "seed": 3, "profile": "vllm-v1-legacy", "spec": {"mode": "none"},
         "overlap": {"enabled": False},
         "cache": {"tokens_per_block": 4, "num_blocks": 12, "reuse": "off"},
         "scheduler": {"policy": "max-utilization", "max_batch_size": 4},
@@ -135,7 +136,7 @@ def test_the_fuzzer_compiles_the_kernel_before_its_hang_guard(monkeypatch):
     sc = {"spec": {"mode": "none"}, "overlap": {"enabled": False},
           "cache": {"reuse": "off", "tokens_per_block": 4, "num_blocks": 16},
           "workload": {"requests": [{"arrival_ns": 0, "prompt_len": 5, "output_len": 3}]}}
-    hits, res = evaluate(sc, "vllm-v1")
+    hits, res = evaluate(sc, "vllm-v1-legacy")
     assert sim.fast._warm and hits == [] and res is not None
     assert res.summary["engine"] == "fast"
 

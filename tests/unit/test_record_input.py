@@ -52,6 +52,11 @@ def _record(tmp_path: Path, text: str, *extra: str) -> tuple[int, str, Path]:
      "spec.extra_kv_tokens"),
     (("[overlap]", '[spec]\nmode = "mtp"\nmax_draft_len = 2\nruntime_draft_lens = [1, 2]\n'
       "[overlap]"), "spec.runtime_draft_lens"),
+    (("[overlap]", "[scheduler]\nmax_batch_size = 8\nmax_num_tokens = 4\n[overlap]"),
+     "scheduler.max_num_tokens"),
+    (("[overlap]", "[scheduler]\nchunk_size = 5000\n[overlap]"), "scheduler.chunk_size"),
+    (("[overlap]", '[spec]\nmode = "mtp"\nmax_draft_len = 2\n[scheduler]\nchunk_size = 2\n'
+      "[overlap]"), "scheduler.chunk_size"),
 ])
 def test_features_vllm_has_not_are_refused(tmp_path, change, field):
     code, out, trace = _record(tmp_path, GOOD.replace(*change))

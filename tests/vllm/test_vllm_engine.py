@@ -10,75 +10,71 @@ absent; `make test` builds it.
 from __future__ import annotations
 
 import json
+import os
 import tomllib
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+from vllm_cases import CASES
+from vllm_workloads import generated
 
 from sim.check import StepChecker
 from sim.cli import app
-from sim.config import parse_scenario
+from sim.config import load_scenario, parse_scenario
 from sim.engines.record import record
-from sim.engines.vllm import run_driver, vllm_python
+from sim.engines.vllm import payload, refuse_unsupported, run_driver, vllm_python
 from sim.engines.vllm_trace import Converter
+from sim.errors import KvsimError
+from sim.vllm_engine import VllmRun
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason="no .venv-vllm (make vllm-env)")
 
-LATER = 10**6  # ns: long after the requests before it finished (a step here is ~1 µs)
+GENERATED = int(os.environ.get("KVSIM_VLLM_WORKLOADS", "100"))
 
 
-def _req(i: int, prompt: list[int], arrival: int = 0) -> dict:
-    # max_tokens 1: each request finishes (and is freed) right after its prefill, as the
-    # tests free theirs right after allocating
-    return {"id": i, "arrival_ns": arrival, "prompt": prompt, "output": [7, 7, 7],
-            "output_len": 1, "accept": []}
+def _scenario_payload(path: Path) -> dict:
+    sc, base = load_scenario(path)
+    refuse_unsupported(sc, str(path))
+    return payload(sc, base, where=path.name)
 
 
-def _case(block_size: int, num_blocks: int, reqs: list[dict], budget: int = 256,
-          max_len: int = 8192) -> dict:
-    return {"block_size": block_size, "num_blocks": num_blocks, "prefix_caching": True,
-            "max_num_seqs": 16, "max_num_batched_tokens": budget,
-            "long_prefill_token_threshold": 0, "max_model_len": max_len,
-            "max_position_embeddings": max_len, "num_spec_tokens": 0,
-            "dev_ns": [1000, 0, 0], "host_ns": [0, 0], "max_steps": 64, "requests": reqs,
-            # vLLM's tests build the manager without EngineCore's start-up check (a pool that
-            # holds one request of max_model_len), and so do these
-            "startup_check": False}
-
-
-COMMON = [i for i in range(3) for _ in range(16)]  # three full blocks of 16
-CASES = {
-    # test_prefix_caching.py::test_prefill
-    "prefill": _case(16, 11, [_req(0, COMMON + [3] * 7), _req(1, COMMON + [3] * 5),
-                              _req(2, COMMON + [3] * 6, LATER), _req(3, [99] * 160, 2 * LATER)]),
-    # test_prefix_caching.py::test_evict
-    "evict": _case(16, 11, [_req(0, list(range(87))), _req(1, list(range(87, 135))),
-                            _req(2, list(range(35)), LATER)]),
-    # test_prefix_caching.py::test_computed_blocks_not_evicted
-    "not_evicted": _case(16, 3, [_req(0, list(range(16))), _req(1, list(range(16, 32))),
-                                 _req(2, list(range(32)), LATER)]),
-    # test_scheduler.py::test_schedule_partial_requests (its text-only form: create_requests
-    # gives request i the prompt [i] * num_tokens)
-    "partial": _case(16, 200, [_req(i, [i] * 800) for i in range(3)], budget=1024,
-                     max_len=1024),
-}
+def _generated_payloads(n: int) -> dict[str, dict]:
+    out = {}
+    for i, d in enumerate(generated(n)):
+        where = f"generated #{i}"
+        sc = parse_scenario(d, where)
+        refuse_unsupported(sc, where)
+        out[where] = payload(sc, where=where)
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
-    """Each case's objects from the driver: its steps, then its requests report."""
-    out: dict[str, list[dict]] = {name: [] for name in CASES}
-    names = iter(CASES)
+def real() -> dict[str, tuple[dict, list[dict]]]:
+    """name -> (payload, the driver's objects: its steps, then its requests report) for every
+    payload these tests run on vLLM, in one driver process (its start-up is most of the cost):
+    vLLM's test cases, the shipped vLLM scenarios and the generated workloads."""
+    ps = {name: dict(p, where=name) for name, p in CASES.items()}
+    for path in (HERE / "small.toml", HERE / "tiny.toml", ROOT / "scenarios" / "vllm.toml"):
+        ps[path.name] = _scenario_payload(path)
+    ps |= _generated_payloads(GENERATED)
+    out: dict[str, tuple[dict, list[dict]]] = {name: (p, []) for name, p in ps.items()}
+    names = iter(ps)
     name = next(names)
-    for o in run_driver({"runs": list(CASES.values())}):
-        out[name].append(o)
+    for o in run_driver({"runs": list(ps.values())}):
+        out[name][1].append(o)
         if "requests" in o:
             name = next(names, "")
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(real) -> dict[str, list[dict]]:
+    """Each of vLLM's test cases' objects from the driver."""
+    return {name: real[name][1] for name in CASES}
 
 
 def _first_row(objs: list[dict], request: int) -> tuple[dict, dict]:
@@ -120,6 +116,10 @@ def test_computed_blocks_not_evicted(runs):
 def test_schedule_partial_requests(runs):
     first = runs["partial"][0]
     assert {r["request"]: r["q"] for r in first["rows"]} == {0: 800, 1: 224}
+
+
+def test_reset_prefix_cache(runs):
+    assert [_blocks_hit(runs["reset"], i)[1] for i in range(4)] == [0, 0, 48, 0]
 
 
 def test_every_case_finishes_and_frees_everything(runs):
@@ -181,17 +181,59 @@ def test_default_scenario_reprofiled_for_vllm_records_clean(tmp_path):
     assert res.summary["finished"] == res.summary["requests"]
 
 
-def test_diff_reports_where_the_profile_departs(tmp_path):
-    """kvsim's vllm-v1 profile allocates a whole prompt at admission; vLLM allocates per
-    chunk: the first divergence is step 1's block tables (request 2's 96-token chunk of a
-    longer prompt gets 6 blocks from vLLM), until the profile is rebuilt (issue 54)."""
+def test_diff_finds_no_divergence_on_the_small_scenario():
+    """kvsim's vllm-v1 profile against vLLM, every field of every step (`--all`)."""
     r = CliRunner().invoke(app, ["diff", "--engine", "vllm", str(HERE / "small.toml"),
-                                 "--json"])
-    assert r.exit_code == 1, r.output
-    first = json.loads(r.output)["first"]
-    assert (first["step"], first["field"]) == (1, "block_tables")
-    assert first["vllm"] == {"0": [1, 2, 3], "1": [4, 5, 6, 7], "2": [8, 9, 10]}
-    assert len(first["kvsim"]["2"]) > len(first["vllm"]["2"])
+                                 "--all", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.output)
+    assert res["first"] is None and res["tally"] == {} and res["steps"][0] == res["steps"][1]
+
+
+def _norm(o: dict) -> dict:
+    """A step object with its block hashes zeroed (vLLM's are sha256 of its own encoding;
+    the model's are kvsim's): everything else must match exactly."""
+    o = json.loads(json.dumps(o))
+    for key in ("sched_events", "proc_events", "events"):
+        for e in o.get(key, ()):
+            e[5] = 0
+    return o
+
+
+def _mismatches(real: dict[str, tuple[dict, list[dict]]], names: list[str]) -> list[str]:
+    """The payloads among `names` whose step objects differ between vLLM and the model, with
+    the first object and keys that differ."""
+    bad = []
+    for name in names:
+        p, objs = real[name]
+        want = [_norm(o) for o in objs]
+        got = [_norm(o) for o in VllmRun(p).run()]
+        if got != want:
+            bad.append(f"{name}: {_first_difference(got, want)}")
+    return bad
+
+
+def _first_difference(got: list[dict], want: list[dict]) -> str:
+    for i, (a, b) in enumerate(zip(got, want, strict=False)):
+        if a != b:
+            return f"object {i} differs in {sorted(k for k in b if a.get(k) != b[k])}"
+    return f"{len(got)} objects, vLLM {len(want)}"
+
+
+def test_the_profile_is_vllm_on_the_shipped_and_the_vllm_cases(real):
+    """Step for step (rows, block tables, block events in the pool's order, free and cached
+    counts, preemptions, accepted drafts, the requests report): small.toml, tiny.toml, the
+    default workload as vLLM runs it (scenarios/vllm.toml) and vLLM's own test cases."""
+    names = [*CASES, "small.toml", "tiny.toml", "vllm.toml"]
+    assert _mismatches(real, names) == []
+
+
+def test_the_profile_is_vllm_on_generated_workloads(real):
+    """Hypothesis-generated workloads (tests/vllm/vllm_workloads.py: chunked prefill, shared
+    prefixes, preemption pressure, EAGLE k = 1-4, budgets, prefix-cache resets), seeded;
+    KVSIM_VLLM_WORKLOADS sets how many (docs/vllm.md gives the figure)."""
+    names = [n for n in real if n.startswith("generated #")]
+    assert len(names) == GENERATED and _mismatches(real, names) == []
 
 
 def test_recorded_trace_replays_through_the_cpu_reference(tmp_path):
@@ -218,3 +260,16 @@ def test_a_pool_vllm_would_not_start_with_is_refused(tmp_path):
     assert r.exit_code == 2, r.output
     assert ": cache.num_blocks: vLLM does not start: " in r.output and "needs 16 blocks" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
+
+
+def test_a_padded_step_cut_by_the_threshold_fails_vllms_assertion(tmp_path):
+    """docs/vllm.md: vLLM 0.33.0 asserts when long_prefill_token_threshold cuts a request
+    padded to a speculative step. The adapter refuses the threshold (exit 2); on vLLM itself,
+    that refusal bypassed, the engine fails the assertion."""
+    path = HERE / "padded_step_assert.toml"
+    r = CliRunner().invoke(app, ["record", "--engine", "vllm", str(path),
+                                 "--out", str(tmp_path / "t")])
+    assert r.exit_code == 2 and ": scheduler.chunk_size: vLLM 0.33.0 fails an assertion" in r.output
+    sc, base = load_scenario(path)
+    with pytest.raises(KvsimError, match="assert num_new_tokens == 1 \\+ self.num_spec_tokens"):
+        list(run_driver(payload(sc, base)))

@@ -1,7 +1,7 @@
 """Cost-model fidelity: predicted vs measured attention time per step of a replayed trace.
 
-python -m gpu_backend.fidelity TRACE_DIR --calibration calibration/h200.json --out bench/results/cost_fidelity_h200.md
-                               [--max-steps N] [--warmup N]
+python -m gpu_backend.fidelity TRACE_DIR --calibration calibration/h200.json
+    --out bench/results/cost_fidelity_h200.md [--max-steps N] [--warmup N]
 
 Measured: the replay (`gpu_backend.driver.replay`, FlashInfer) with `attn_timing`: CUDA events
 around each attention launch of a step (append excluded), summed per step, after a warm-up pass

@@ -21,6 +21,7 @@ def test_there_are_regressions() -> None:
 @pytest.mark.parametrize("path", CASES, ids=lambda p: p.stem)
 def test_regression_runs_clean(path: Path) -> None:
     sc, base = load_scenario(path)
-    assert sc.profile in ("trtllm-post-17264", "vllm-v1-legacy"), "regressions run under a fixed profile"
+    fixed = ("trtllm-post-17264", "vllm-v1-legacy")
+    assert sc.profile in fixed, "regressions run under a fixed profile"
     res = run(sc, base_dir=base)
     assert not res.violations, "\n".join(v.message for v in res.violations[:5])

@@ -16,7 +16,8 @@ PROFILES: dict[str, Switches] = {
                                  gen_table_width="logical-host", backend="fa2",
                                  plan_key="no-width"),
     # vLLM v1: null block 0, LRU, FA2 CSR metadata built from device-side seq_lens.
-    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True),
+    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True,
+                        reuse_tree=False),
 }
 
 
@@ -63,15 +64,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("double_free", {"single_free": False}, "I17",
           "TRT-LLM #12816", "a request terminated twice under overlap + reuse"),
     Fault("append_into_shared", {"nocopy_exclusive": False}, "I5",
-          "TRT-LLM partial reuse without copy",
+          "TRT-LLM partial reuse without copy (findMatchingBlock's unused-leaf test dropped)",
           "a partially reused block still held by another request is appended to"),
     Fault("stale_graph_pages", {"refresh_graph_pages": False, "backend": "fa2",
                                 "gen_table_width": "logical-device"}, "I2",
           "TRT-LLM PR #18769", "a CUDA graph replays the kv_indices it was captured with "
           "after the request grew a page"),
-    Fault("weak_block_hash", {"block_hash": "polynomial"}, "POOL",
-          "Megatron-LM #4158; vLLM #12621, #15297",
-          "a weak prefix hash collides: a request reuses another prompt's KV"),
 )}
 
 

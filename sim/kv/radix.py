@@ -79,11 +79,15 @@ class RadixTree:
         self.children.pop(b, None)
 
     def remove_subtree(self, b: int) -> list[tuple[int, int]]:
-        """`WindowBlockManager::freeChildren`: unlink b and all its descendants, deepest first.
+        """`WindowBlockManager::freeChildren`: unlink b and all its descendants, every block
+        after its descendants (a loop, not recursion: chains run thousands of blocks deep).
         Returns (block, hash) in that order."""
-        out: list[tuple[int, int]] = []
-        for c in list(self.kids(b).values()):
-            out.extend(self.remove_subtree(c))
-        out.append((b, self.hash[b]))
-        self.detach_leaf(b)
+        order, stack = [], [b]
+        while stack:
+            n = stack.pop()
+            order.append(n)
+            stack.extend(self.kids(n).values())
+        out = [(n, self.hash[n]) for n in reversed(order)]
+        for n, _h in out:
+            self.detach_leaf(n)
         return out

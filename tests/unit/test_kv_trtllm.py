@@ -254,3 +254,14 @@ def test_a_rewound_block_returns_to_the_front():
     assert list(m.kv.pool.free) == [1, 2, 3, 4, 5]
     m.kv.free(0)  # a released sequence goes to the back
     assert list(m.kv.pool.free) == [1, 2, 3, 4, 5, 0]
+
+
+def test_regression_evicting_the_root_of_a_long_chain_does_not_recurse():
+    """A chain deeper than Python's recursion limit (one-token blocks, a long prompt) is
+    unlinked in one loop when its first block is evicted."""
+    m = Requests(2100, 1)
+    m.add(0, list(range(2000)))
+    m.release(0)
+    m.kv.pool.free.set_priority(0, 0)  # the chain's root is the next block taken
+    assert m.add(1, [7000, 7001])[0][0] == 0
+    assert len(m.kv.pool.tree.parent) == 0

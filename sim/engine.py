@@ -49,7 +49,7 @@ class Engine:
         self.B = sc.cache.tokens_per_block
         self.events = EventLog(record_events)
         self.kv = KVManager(sc.cache.num_blocks, self.B, sc.cache.reuse, self.events,
-                            sw.null_block, sw.nocopy_exclusive, sw.block_hash)
+                            sw.null_block, sw.nocopy_exclusive, sw.reuse_tree)
         self.sched = Scheduler(sc, sw, self.kv, self.overlap)
         extra = sc.spec.extra_kv_tokens if sc.spec.mode == "mtp" else 0
         self.md = MetadataBuilder(sw, self.kv, self.B, extra, self.sched.max_pos,

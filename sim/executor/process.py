@@ -119,8 +119,8 @@ class Processor:
 
     def _free(self, r: Request) -> None:
         eng = self.eng
-        if r.finished:
-            eng.kv.register(r.rid, r.tokens, min(r.committed, r.n_host - 1))
+        if r.finished:  # TRT-LLM's releaseBlocks stores the partly filled last block too
+            eng.kv.register(r.rid, r.tokens, min(r.committed, r.n_host - 1), tail=True)
         r.tokens_blocks = tuple(eng.kv.blocks[r.rid])
         eng.kv.free(r.rid)
         r.freed = True

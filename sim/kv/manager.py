@@ -6,44 +6,38 @@ Per request r it owns `blocks[r]` (logical order) and `reserved[r]` = C, the KV 
     slots:    0 ......... reused ........ committed ...... committed+W ... C ... A*B
               '-- hits --'                                                  A = ceil(C/B)
 
+Two ways of caching block contents, picked by the profile (`Switches.reuse_tree`):
+TensorRT-LLM's radix tree matched by tokens (`sim/kv/reuse_tree.py`), or a flat hash chain
+map of full blocks (the `vllm-v1-legacy` profile, below).
 Every allocation is check-then-commit: a False/None return leaves everything untouched.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import numpy as np
 
 from sim.kv.events import EventLog
 from sim.kv.hashing import chain_hashes
 from sim.kv.pool import BlockPool
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    full: tuple[int, ...]  # cached full blocks matched, in order
-    hashes: tuple[int, ...]
-    partial_src: int = -1  # cached block whose first `partial_len` tokens match, or -1
-    partial_len: int = 0
+from sim.kv.prefix import PrefixMatch
+from sim.kv.reuse_tree import TreeReuse
 
 
 class KVManager:
     def __init__(self, num_blocks: int, block_size: int, reuse: str, events: EventLog,
                  null_block: bool = False, nocopy_exclusive: bool = True,
-                 hash_kind: str = "blake2b") -> None:
-        self.pool = BlockPool(num_blocks, block_size, events, null_block)
+                 tree: bool = False) -> None:
+        self.pool = BlockPool(num_blocks, block_size, events, null_block, tree)
         self.B = block_size
         self.reuse = reuse
         self.nocopy_exclusive = nocopy_exclusive
+        self.tree = TreeReuse(self.pool, block_size, partial=reuse.startswith("partial"),
+                              copy=reuse != "partial-nocopy",
+                              exclusive=nocopy_exclusive) if tree else None
         self.blocks: dict[int, list[int]] = {}
         self.reserved: dict[int, int] = {}
         self.shared: dict[int, int] = {}
-        self.hashed: dict[int, list[int]] = {}  # hashes of r's leading full blocks
-        self.hash_kind = hash_kind
-        # (block, first differing token index) of the last match whose hash hit a block with
-        # other content: the prefix chain is inconsistent (a collision). The scheduler reports it.
-        self.collision: tuple[int, int] | None = None
+        self.hashed: dict[int, list[int]] = {}  # hashes of r's leading full blocks (hash map)
 
     # -- prefix reuse -----------------------------------------------------------------------
     def match(self, tokens: np.ndarray, prefill_len: int) -> tuple[PrefixMatch, int]:
@@ -53,25 +47,29 @@ class KVManager:
         """
         if self.reuse == "off" or prefill_len < 2:
             return PrefixMatch((), ()), 0
+        if self.tree is not None:
+            return self.tree.match(tokens, prefill_len)
         limit = prefill_len - 1
-        hashes = chain_hashes(tokens, self.B, limit // self.B, kind=self.hash_kind)
+        hashes = chain_hashes(tokens, self.B, limit // self.B)
         full: list[int] = []
-        self.collision = None
-        for i, h in enumerate(hashes):
+        for h in hashes:
             b = self.pool.cached.get(h)
             if b is None:
                 break
-            want = tokens[i * self.B:(i + 1) * self.B]
-            if self.collision is None and not np.array_equal(self.pool.block_tokens[b], want):
-                diff = int(np.flatnonzero(self.pool.block_tokens[b] != want)[0])
-                self.collision = (b, i * self.B + diff)
             full.append(b)
         hs = tuple(hashes[: len(full)])
         n = len(full) * self.B
         if self.reuse == "full" or n >= limit:
             return PrefixMatch(tuple(full), hs), n
         src, m = self._partial(tokens[n:limit], hs[-1] if hs else 0)
-        return PrefixMatch(tuple(full), hs, src, m), n + m
+        return PrefixMatch(tuple(full), hs, src, m, self.reuse == "partial-nocopy"), n + m
+
+    def new_context_block(self, tokens: np.ndarray, n: int) -> bytes | None:
+        """The key of the first full block of tokens[:n] not cached, or None (reuse tree only:
+        the capacity scheduler's delay for reuse)."""
+        if self.tree is None or self.reuse == "off":
+            return None
+        return self.tree.new_context_block(tokens, n)
 
     def _partial(self, want: np.ndarray, parent: int) -> tuple[int, int]:
         best, best_m = -1, 0
@@ -87,11 +85,25 @@ class KVManager:
     # -- allocation -------------------------------------------------------------------------
     def admit(self, r: int, match: PrefixMatch, slots: int) -> bool:
         """Give r the matched prefix plus fresh blocks so C = slots. Check, then commit."""
-        pool, B = self.pool, self.B
-        nocopy = match.partial_src >= 0 and self.reuse == "partial-nocopy"
+        taken_n = len(match.full) + (match.partial_src >= 0 and match.in_place)
+        fresh = max(0, -(-slots // self.B) - taken_n)
+        if self.tree is not None:
+            if not self.tree.fits(match, fresh):
+                return False
+            self.blocks[r] = self.tree.take(r, match, fresh)
+        elif not self._take_hashed(r, match, fresh):
+            return False
+        self.reserved[r] = slots
+        self.shared[r] = len(match.full)
+        self.hashed[r] = list(match.hashes)
+        return True
+
+    def _take_hashed(self, r: int, match: PrefixMatch, fresh: int) -> bool:
+        """The hash map's take: a copy's source is held while its target is allocated."""
+        pool = self.pool
+        nocopy = match.partial_src >= 0 and match.in_place
         copy_src = match.partial_src if match.partial_src >= 0 and not nocopy else -1
         taken = list(match.full) + ([match.partial_src] if nocopy else [])
-        fresh = max(0, -(-slots // B) - len(taken))
         pinned = taken + ([copy_src] if copy_src >= 0 else [])
         if fresh + sum(1 for b in pinned if pool.refcount[b] == 0) > pool.num_free:
             return False
@@ -106,9 +118,6 @@ class KVManager:
             pool.events.emit("copy", own[0], r, 1, src=copy_src, num_tokens=match.partial_len)
             pool.release(copy_src, r)
         self.blocks[r] = taken + own
-        self.reserved[r] = slots
-        self.shared[r] = len(match.full)
-        self.hashed[r] = list(match.hashes)
         return True
 
     def blocks_needed(self, r: int, extra_slots: int) -> int:
@@ -126,16 +135,23 @@ class KVManager:
         return True
 
     def rewind(self, r: int, slots: int) -> None:
-        """Give back `slots` rejected/unused slots; trailing blocks no longer needed are freed."""
+        """Give back `slots` rejected/unused slots; trailing blocks no longer needed are freed.
+        The reuse tree's engine returns such a block to the free queue's front
+        (`releaseLastBlock`), to be taken next."""
         self.reserved[r] -= slots
         keep = max(-(-self.reserved[r] // self.B), self.shared[r])
+        front = self.tree is not None
         while len(self.blocks[r]) > keep:
-            self.pool.release(self.blocks[r].pop(), r, "rewind")
+            self.pool.release(self.blocks[r].pop(), r, "rewind", front)
 
-    def register(self, r: int, tokens: np.ndarray, committed: int) -> None:
-        """Publish r's fully committed blocks to the prefix cache (none without reuse: an engine
-        with prefix caching off hashes nothing, and nothing could ever match)."""
+    def register(self, r: int, tokens: np.ndarray, committed: int, tail: bool = False) -> None:
+        """Publish r's blocks holding tokens[:committed] to the prefix cache (none without
+        reuse: an engine with prefix caching off stores nothing, and nothing could match).
+        `tail`: at release the reuse tree stores the last, partly filled block too."""
         if self.reuse == "off":
+            return
+        if self.tree is not None:
+            self.tree.store(self.blocks[r], tokens, committed, tail)
             return
         done = self.hashed[r]
         n_full = min(committed // self.B, len(self.blocks[r]))
@@ -143,8 +159,7 @@ class KVManager:
             return
         parent = done[-1] if done else 0
         start = len(done) * self.B
-        new = chain_hashes(tokens[start: n_full * self.B], self.B, n_full - len(done), parent,
-                           kind=self.hash_kind)
+        new = chain_hashes(tokens[start: n_full * self.B], self.B, n_full - len(done), parent)
         for i, h in enumerate(new, start=len(done)):
             self.pool.register(self.blocks[r][i], h, parent,
                                np.array(tokens[i * self.B:(i + 1) * self.B], dtype=np.int32))

@@ -18,11 +18,13 @@ PROFILES: dict[str, Switches] = {
     # vLLM v1: null block 0, FA2 CSR metadata built from device-side seq_lens. The name runs
     # kvsim's model of vLLM's own scheduler (sim/vllm_engine.py), not kvsim's TensorRT-LLM
     # engine; these switches describe its traces.
-    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True),
+    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True,
+                        reuse_tree=False),
     # The vllm-v1 profile before it modelled vLLM's scheduler: kvsim's TensorRT-LLM scheduler
-    # and KV manager with vLLM's null block and FA2 metadata (the fast engine runs it).
+    # and KV manager with vLLM's null block, FA2 metadata and a flat hash map of full blocks
+    # (the fast engine runs it).
     "vllm-v1-legacy": Switches(gen_table_width="logical-device", backend="fa2",
-                               null_block=True),
+                               null_block=True, reuse_tree=False),
 }
 
 
@@ -69,15 +71,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
     Fault("double_free", {"single_free": False}, "I17",
           "TRT-LLM #12816", "a request terminated twice under overlap + reuse"),
     Fault("append_into_shared", {"nocopy_exclusive": False}, "I5",
-          "TRT-LLM partial reuse without copy",
+          "TRT-LLM partial reuse without copy (findMatchingBlock's unused-leaf test dropped)",
           "a partially reused block still held by another request is appended to"),
     Fault("stale_graph_pages", {"refresh_graph_pages": False, "backend": "fa2",
                                 "gen_table_width": "logical-device"}, "I2",
           "TRT-LLM PR #18769", "a CUDA graph replays the kv_indices it was captured with "
           "after the request grew a page"),
-    Fault("weak_block_hash", {"block_hash": "polynomial"}, "POOL",
-          "Megatron-LM #4158; vLLM #12621, #15297",
-          "a weak prefix hash collides: a request reuses another prompt's KV"),
 )}
 
 

@@ -41,10 +41,10 @@ class Switches:
     # A CUDA-graph replay refreshes the captured kv_indices/indptr when the generation page
     # tuple changes (TRT-LLM #18769); without it a graph reuses the pages it was captured with.
     refresh_graph_pages: bool = True
-    # Prefix-cache block hash: "blake2b" (a stable cryptographic hash) or "polynomial"
-    # (sum of t_i * 31^i, the rolling hash Megatron-LM #4158 replaced: token[j] += 31,
-    # token[j+1] -= 1 collides).
-    block_hash: str = "blake2b"
+    # Prefix reuse on TensorRT-LLM's radix tree, matched by tokens (partial tail blocks,
+    # copy only when in use, rewound blocks to the free queue's front, delaying a context that
+    # could reuse another's blocks); off: a flat hash map of full blocks.
+    reuse_tree: bool = True
     # vLLM keeps block 0 as a never-allocated null block.
     null_block: bool = False
 
@@ -53,7 +53,6 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "gen_table_width": ("reserved", "logical-host", "logical-device"),
     "backend": ("xqa", "fa2", "fa3"),
     "plan_key": ("fresh", "no-width", "per-batch"),
-    "block_hash": ("blake2b", "polynomial"),
 }
 
 

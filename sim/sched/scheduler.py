@@ -108,13 +108,38 @@ class Scheduler:
         for r in self.running:
             if r.state == State.CONTEXT and not r.pausing and len(batch) < limit and budget > 0:
                 budget -= self._chunk(batch, r, budget)
+        contributed = self._contexts_contributing()
+        delayed: list[Request] = []
         while self.waiting and len(batch) < limit and budget > 0:
             r = self.waiting[0]
+            if self._beneficial_to_skip(r, contributed):
+                delayed.append(self.waiting.popleft())
+                continue
             if not self._admit(r, step, budget):
                 break
             self.waiting.popleft()
             self.running.append(r)
             budget -= self._chunk(batch, r, budget)
+        self.waiting.extendleft(reversed(delayed))
+
+    # -- delaying a context for reuse (TRT-LLM capacityScheduler.cpp) -------------------------
+    def _contexts_contributing(self) -> set[bytes]:
+        """`prefillWithChunkedContextsAlreadyExecuting`: the first uncached block of every
+        context past its first chunk (its blocks are stored when its context ends)."""
+        keys = (self.kv.new_context_block(r.tokens, r.prefill_len) for r in self.running
+                if r.state == State.CONTEXT and not r.pausing)
+        return {k for k in keys if k is not None}
+
+    def _beneficial_to_skip(self, r: Request, contributed: set[bytes]) -> bool:
+        """`beneficialToSkip`: a new context whose first uncached block another context of
+        this pass (or one in progress) is about to write waits, to reuse it instead."""
+        key = self.kv.new_context_block(r.tokens, r.prefill_len)
+        if key is None:
+            return False
+        if key in contributed:
+            return True
+        contributed.add(key)
+        return False
 
     def _chunk(self, batch: Batch, r: Request, budget: int) -> int:
         left = r.prefill_len - r.ctx_pos
@@ -130,11 +155,6 @@ class Scheduler:
         if not self.sc.scheduler.chunk_size and r.prefill_len > budget:
             return False
         match, hit = self.kv.match(r.tokens, r.prefill_len)
-        if self.kv.collision is not None:
-            b, pos = self.kv.collision
-            self.violations.append(Violation(
-                "POOL", step, r.rid, f"POOL step {step} req {r.rid}: prefix hash hit on block "
-                f"{b} whose content differs at position {pos}: the hash chain collides"))
         if self.sc.scheduler.policy == "guaranteed-no-evict" and not self._gne_fits(r, step):
             return False
         if not self.kv.admit(r.rid, match, r.prefill_len):

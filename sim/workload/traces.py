@@ -7,7 +7,7 @@ arrival is the time since the first row read, times `time_scale`. Every bad row 
 Azure rows carry only lengths: token ids are generated like a synthetic workload's (one content
 seed from the caller's generator). Mooncake rows carry one `hash_id` per 512-token block,
 prefix-chained: token j of block h is a fixed function of (h, j) alone (splitmix64), so two
-requests that share a hash id share those 512 tokens exactly and the simulator's own hash chain
+requests that share a hash id share those 512 tokens exactly and the simulator's prefix cache
 finds the reuse at any block size. The last block is partial:
 
     hash_ids  [ h0 ........ | h1 ........ | h2 .... ]

@@ -45,10 +45,10 @@ class PoolMachine(RuleBasedStateMachine):
 
     @initialize(b=st.integers(1, 4), n=st.integers(2, 8),
                 reuse=st.sampled_from(["off", "full", "partial-copy", "partial-nocopy"]),
-                null=st.booleans())
-    def setup(self, b: int, n: int, reuse: str, null: bool) -> None:
+                null=st.booleans(), tree=st.booleans())
+    def setup(self, b: int, n: int, reuse: str, null: bool, tree: bool) -> None:
         self.B, self.null = b, null
-        self.kv = KVManager(n, b, reuse, EventLog(), null_block=null)
+        self.kv = KVManager(n, b, reuse, EventLog(), null_block=null, tree=tree)
         self.model: dict[int, Held] = {}
         self.next_id = 0
 
@@ -60,9 +60,15 @@ class PoolMachine(RuleBasedStateMachine):
         arr = np.array(tokens, dtype=np.int32)
         match, hit = self.kv.match(arr, p)
         assert hit <= p - 1 or hit == 0, "reuse covered the last prompt token"
+        pool = self.kv.pool
+        stored = pool.tree.tokens if pool.tree is not None else pool.block_tokens
         for i, b in enumerate(match.full):
             want = arr[i * self.B:(i + 1) * self.B]
-            assert list(self.kv.pool.block_tokens[b]) == list(want), "matched wrong content"
+            assert list(stored[b]) == list(want), "matched wrong content"
+        if match.partial_src >= 0:
+            n = len(match.full) * self.B
+            have = list(stored[match.partial_src][:match.partial_len])
+            assert have == list(arr[n:n + match.partial_len]), "partial match of wrong content"
         r, before = self.next_id, self._snapshot()
         if not self.kv.admit(r, match, p + extra):
             assert self._snapshot() == before, "a failed admit changed state"
@@ -92,8 +98,11 @@ class PoolMachine(RuleBasedStateMachine):
         self.kv.rewind(r, n)
         m.reserved -= n
 
-    @rule(r=consumes(requests))
-    def free(self, r: int) -> None:
+    @rule(r=consumes(requests), store=st.booleans())
+    def free(self, r: int, store: bool) -> None:
+        if store:  # TRT-LLM's releaseBlocks: the partly filled last block is stored too
+            m = self.model[r]
+            self.kv.register(r, np.array(m.tokens, dtype=np.int32), m.committed, tail=True)
         self.kv.free(r)
         del self.model[r]
 
@@ -142,7 +151,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _snapshot(self) -> tuple:
         pool, kv = self.kv.pool, self.kv
-        return (tuple(pool.refcount), tuple(pool.free), tuple(sorted(pool.cached.items())),
+        cached = sorted(pool.tree.parent.items()) if pool.tree is not None else \
+            sorted(pool.cached.items())
+        return (tuple(pool.refcount), tuple(pool.free), tuple(cached),
                 {r: tuple(b) for r, b in kv.blocks.items()}, dict(kv.reserved),
                 len(pool.events.events))
 

@@ -25,13 +25,13 @@ from sim.trace.schema import RUN_COLUMNS, RUN_LISTS, TABLES
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = {
-    "worked_example": "f080d750ee81f8b7a4af5609a581520af1e59028703246d854a1aa755be5b59f",
-    "default": "3d7d828f6b077a7eff8ef02e6447eba609e8f24d541e2a44497806f194c062fc",
+    "worked_example": "b1d5ff8b1c3a87f5bf042b521db2320eaa04f03467fb4abcc44017165b21648c",
+    "default": "db40a13bed74fb7573383d150aa14b73a9901d62649c70f1af483ddf63545a3d",
 }
 # the same scenarios' digests as format 2 wrote them (kvsim before format 3)
 FORMAT_2 = {
-    "worked_example": "8649be09a1a1d95f2b33422a1c3241bd5eac9f1dd68fc59a6c314e6936ec9575",
-    "default": "01d8970de98f5d8f9204b2fc4fba38137a07da6454a5bb8c374516ac8f7af524",
+    "worked_example": "9099162c67001d52e2a4df88faf6db4f5c772206ed31af85ff9e479aea519afa",
+    "default": "10ae142c7d0e1f8314f465e9cdb552525d11553c9a558423ce8afc2a41b4fca8",
 }
 
 

@@ -1,4 +1,7 @@
-"""KV pool and manager: exact block ids, event logs, reservations, rewind, reuse, eviction."""
+"""KV pool and manager: exact block ids, event logs, reservations, rewind, reuse, eviction.
+
+Reuse here is the flat hash map (the `vllm-v1` profile); TensorRT-LLM's reuse tree is held by
+tests/unit/test_kv_trtllm.py."""
 
 import numpy as np
 import pytest
@@ -147,21 +150,3 @@ def test_partial_copy_needs_room_for_the_pinned_source():
     m.pool.events.drain()
     assert not m.admit(1, match, 9)  # 2 fresh + 2 revived > 3 free: nothing changes
     assert m.pool.events.drain() == [] and m.pool.num_free == 3
-
-
-def test_polynomial_hash_collides_on_the_megatron_vector_and_blake2b_does_not():
-    from sim.kv.hashing import chain_hashes
-    a, b = np.array([5, 40, 7, 9]), np.array([5 + 31, 40 - 1, 7, 9])
-    assert chain_hashes(a, 4, 1, kind="polynomial") == chain_hashes(b, 4, 1, kind="polynomial")
-    assert chain_hashes(a, 4, 1) != chain_hashes(b, 4, 1)
-
-
-def test_a_hash_hit_on_other_content_is_reported_as_a_collision():
-    m = mgr(reuse="full", hash_kind="polynomial")
-    a = np.array([5, 40, 7, 9, 1])
-    m.admit(0, m.match(a, 5)[0], 5)
-    m.register(0, a, 4)
-    match, hit = m.match(np.array([36, 39, 7, 9, 1]), 5)
-    assert hit == 4 and m.collision == (0, 0)
-    m.match(a, 5)
-    assert m.collision is None

@@ -41,5 +41,5 @@ def test_delay_duplicate_request(tmp_path, policy):
 
 
 def test_without_the_reuse_tree_duplicates_are_not_delayed(tmp_path):
-    _res, steps = rows_by_step(tmp_path, duplicates("guaranteed-no-evict"), "vllm-v1")
+    _res, steps = rows_by_step(tmp_path, duplicates("guaranteed-no-evict"), "vllm-v1-legacy")
     assert steps[0] == [(0, "ctx"), (1, "ctx"), (2, "ctx")]

@@ -130,6 +130,15 @@ class Processor:
             if not r.inflight:
                 del eng.requests[r.rid]
 
+    def halt(self) -> None:
+        """The host threw (a failed reservation): every running request ends unfinished and
+        its blocks are released, as the executor's error path terminates them."""
+        now = int(self.eng.env.now)
+        for r in list(self.eng.sched.running):
+            if not r.freed:
+                self._finish(r, "unfinished", now)
+                self._maybe_release(r, now)
+
     def after_schedule(self) -> None:
         """Requests the scheduler paused or that finished: release what may be released now."""
         for r in list(self.eng.sched.running):

@@ -28,8 +28,6 @@ class Switches:
     plan_key: str = "fresh"
     # Runtime draft length clamped so no position passes the legal limit (TRT-LLM #4879).
     draft_clamp: bool = True
-    # Guaranteed-no-evict's blocks-to-completion includes 2(W-1)+extra headroom.
-    gne_spec_headroom: bool = True
     # Reservations include the draft layers' extra KV tokens (TRT-LLM #16280 class).
     reserve_extra_kv: bool = True
     # A finished/paused request's blocks are freed only after its in-flight steps are processed.

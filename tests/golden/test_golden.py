@@ -26,12 +26,12 @@ from sim.trace.schema import RUN_COLUMNS, RUN_LISTS, TABLES
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = {
     "worked_example": "f080d750ee81f8b7a4af5609a581520af1e59028703246d854a1aa755be5b59f",
-    "default": "3d7d828f6b077a7eff8ef02e6447eba609e8f24d541e2a44497806f194c062fc",
+    "default": "1c0985a7e38e3ecace48f4d29c40989309257ca59f42af7210de5dbe7ec0f0db",
 }
 # the same scenarios' digests as format 2 wrote them (kvsim before format 3)
 FORMAT_2 = {
     "worked_example": "8649be09a1a1d95f2b33422a1c3241bd5eac9f1dd68fc59a6c314e6936ec9575",
-    "default": "01d8970de98f5d8f9204b2fc4fba38137a07da6454a5bb8c374516ac8f7af524",
+    "default": "1c3b6b8a6d46abe904120dab07eb77604e98228006c43d7d826f1a2542fc7530",
 }
 
 

@@ -28,7 +28,7 @@ class Switches:
     plan_key: str = "fresh"
     # Runtime draft length clamped so no position passes the legal limit (TRT-LLM #4879).
     draft_clamp: bool = True
-    # Reservations include the draft layers' extra KV tokens (TRT-LLM #16280 class).
+    # The first context chunk reserves the draft layers' extra KV tokens (TRT-LLM #16280 class).
     reserve_extra_kv: bool = True
     # A finished/paused request's blocks are freed only after its in-flight steps are processed.
     defer_free_in_flight: bool = True

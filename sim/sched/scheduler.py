@@ -42,8 +42,15 @@ class Scheduler:
     # -- sizes ------------------------------------------------------------------------------
     @property
     def gen_reserve(self) -> int:
-        """Slots reserved per generation step: the token, D draft placeholders (+ draft KV)."""
-        return 1 + self.D + (self.extra if self.sw.reserve_extra_kv else 0)
+        """Slots reserved per generation step: the token and D draft placeholders
+        (TRT-LLM KVCacheManager.prepare_resources: add_token x (1 + draft length))."""
+        return 1 + self.D
+
+    @property
+    def ctx_extra(self) -> int:
+        """The draft layers' extra KV slots, reserved once, at the first context chunk
+        (prepare_resources: add_token x num_extra_kv_tokens); held until the request is freed."""
+        return self.extra if self.sw.reserve_extra_kv else 0
 
     def reach_headroom(self) -> int:
         """Slots a request can hold past its final length: the step in flight and this one."""
@@ -144,7 +151,7 @@ class Scheduler:
                 f"{b} whose content differs at position {pos}: the hash chain collides"))
         if self.sc.scheduler.policy == "guaranteed-no-evict" and not self._gne_fits(r):
             return False
-        slots = r.prefill_len
+        slots = r.prefill_len + self.ctx_extra
         if not self.kv.admit(r.rid, match, slots):
             if match.partial_src < 0:
                 return False

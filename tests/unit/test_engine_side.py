@@ -98,3 +98,21 @@ def test_a_request_that_can_never_fit_is_rejected_not_stalled():
     assert res.violations == []
     assert (res.summary["rejected"], res.summary["finished"]) == (1, 1)
 
+
+def test_extra_kv_is_reserved_once_at_context_so_i18_holds_with_extra():
+    """KVCacheManager.prepare_resources adds num_extra_kv_tokens once, at the first context
+    chunk, and 1 + draft length per generation step; the rewind returns only the rejected
+    drafts. So C = P + extra after the context, grows by W_max = 4 per step in flight, and at
+    idle C == N - 1 + extra (I18 judged with the extra)."""
+    import numpy as np
+
+    sc, base = load_scenario(ROOT / "scenarios" / "faults" / "device_ahead_overrun.toml")
+    rows: list = []
+    specs = iter_workload(sc.workload, np.random.default_rng(0), tokens_per_block=16,
+                          base_dir=base)
+    eng = Engine(sc, resolve_profile(sc.profile), specs, lambda st, rs, ev: rows.extend(rs))
+    eng.run()
+    assert eng.proc.violations == []
+    # P = 12, extra = 2, D = 3, all drafts accepted, overlap: two steps in flight from step 2
+    assert [(r.phase, r.committed, r.reserved) for r in rows[:4]] == [
+        ("ctx", 0, 14), ("gen", 12, 18), ("gen", 16, 22), ("gen", 20, 26)]

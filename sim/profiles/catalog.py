@@ -16,7 +16,10 @@ PROFILES: dict[str, Switches] = {
                                  gen_table_width="logical-host", backend="fa2",
                                  plan_key="no-width"),
     # vLLM v1: null block 0, LRU, FA2 CSR metadata built from device-side seq_lens.
-    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True),
+    # (vLLM has no guaranteed-no-evict: under that policy it keeps kvsim's headroom-counting
+    # admission until its own scheduler is modelled.)
+    "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True,
+                        gne_headroom=True),
 }
 
 

@@ -98,8 +98,10 @@ class Scheduler:
             if self._reserve_gen(r, step):
                 batch.gen.append((r, d))
                 budget -= 1 + d
-            elif self.host_error:
-                return Batch()  # the exception ends the whole step's preparation
+            elif self.host_error:  # the exception ends the step's preparation: none launches
+                for q, _d in batch.gen:
+                    self.kv.rewind(q.rid, self.gen_reserve)
+                return Batch()
         self._schedule_context(batch, budget, step)
         return batch
 
@@ -180,10 +182,13 @@ class Scheduler:
     def _gne_fits(self, r: Request) -> bool:
         """TRT-LLM GuaranteedNoEvictScheduler: the pool's free blocks less every running
         request's getRemainingBlocksToCompletion (no draft or overlap headroom, and no clamp at
-        0: a request holding more than its total makes the pool look freer)."""
-        promised = sum(self.blocks_to_completion(q) - len(self.kv.blocks[q.rid])
-                       for q in self.running if self.kv.holds(q.rid))
-        return self.blocks_to_completion(r) <= self.kv.pool.num_free - promised
+        0: a request holding more than its total makes the pool look freer). With the
+        `gne_headroom` switch, kvsim's own safe variant: headroom counted, clamped at 0."""
+        head = self.reach_headroom() if self.sw.gne_headroom else 0
+        left = [self.blocks_to_completion(q, head) - len(self.kv.blocks[q.rid])
+                for q in self.running if self.kv.holds(q.rid)]
+        promised = sum(max(0, x) for x in left) if self.sw.gne_headroom else sum(left)
+        return self.blocks_to_completion(r, head) <= self.kv.pool.num_free - promised
 
     # -- lifecycle --------------------------------------------------------------------------
     def preempt(self, r: Request) -> None:

@@ -116,3 +116,14 @@ def test_extra_kv_is_reserved_once_at_context_so_i18_holds_with_extra():
     # P = 12, extra = 2, D = 3, all drafts accepted, overlap: two steps in flight from step 2
     assert [(r.phase, r.committed, r.reserved) for r in rows[:4]] == [
         ("ctx", 0, 14), ("gen", 12, 18), ("gen", 16, 22), ("gen", 20, 26)]
+
+
+def test_regression_a_host_error_rolls_back_the_step_s_earlier_reservations():
+    """Found by the fuzzer: request 0 reserved its slots, request 1's reservation then threw;
+    the step never launched, yet request 0 kept the 1 + D slots, and processing its in-flight
+    step reported I18 (C = N - 1 + 4). The unlaunched step's reservations are given back."""
+    d = dict(GNE_UNDER_RESERVED, workload={"requests": [
+        {"arrival_ns": 0, "prompt_len": 26, "output_len": 10},
+        {"arrival_ns": 0, "prompt_len": 30, "output_len": 10}]})
+    res = run(parse_scenario(d))
+    assert [(v.invariant, v.step, v.request) for v in res.violations] == [("HOST", 5, 1)]

@@ -92,6 +92,11 @@ class Engine:
             t_sched = self.env.now
             batch = self.sched.schedule(self.step)
             self.proc.take_violations()
+            if self.sched.host_error:  # the host threw: what is in flight lands, then it stops
+                if prev is not None:
+                    yield from self._process(prev)
+                self.proc.halt()
+                return
             if not len(batch):
                 if prev is not None:
                     yield from self._process(prev)

@@ -31,7 +31,7 @@ LAUNCH_ORDER = ("I14", "I20", "I12", "I1", "I13", "I2", "I3", "I4", "I7", "I9", 
 
 # Order across one step: what admission found (its cause precedes the launch), the launch's
 # own order, then what processing the step's results found (frees, the host's estimate).
-CAUSAL_ORDER = ("I19", "LIVENESS") + LAUNCH_ORDER + ("I17", "I18")
+CAUSAL_ORDER = ("HOST", "LIVENESS") + LAUNCH_ORDER + ("I17", "I18")
 _RANK = {inv: i for i, inv in enumerate(CAUSAL_ORDER)}
 
 

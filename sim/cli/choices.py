@@ -28,7 +28,7 @@ class Watch(StrEnum):
 
 # What `kvsim fuzz --ignore` can look past: an invariant of sim.check.registry (named here, not
 # imported: sim.check takes a while to import and every command's start would pay for it; a
-# test holds the two equal), LIVENESS, or a hang or crash of the simulator.
+# test holds the two equal), LIVENESS, HOST (the host threw), or a hang or crash of the simulator.
 class Ignorable(StrEnum):
     I1 = "I1"
     I2 = "I2"
@@ -49,5 +49,6 @@ class Ignorable(StrEnum):
     I20 = "I20"
     POOL = "POOL"
     LIVENESS = "LIVENESS"
+    HOST = "HOST"
     hang = "hang"
     crash = "crash"

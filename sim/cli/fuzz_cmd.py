@@ -79,7 +79,7 @@ def _validate(profile: str, budget: float, seed: int, out: str, force: bool, wor
         resolve_profile(profile)  # unknown profile/fault: exit 2 before any work
         if baseline is not None:
             resolve_profile(baseline)
-    known = {*INVARIANTS, "POOL", "LIVENESS", "hang", "crash"}
+    known = {*INVARIANTS, "POOL", "LIVENESS", "HOST", "hang", "crash"}
     for name in ignore:
         if name not in known:
             fail(f"--ignore {name!r} is not an invariant; known: {', '.join(sorted(known))}")

@@ -89,11 +89,14 @@ class Processor:
             self._check_i18(r, row.step)
 
     def _check_i18(self, r: Request, step: int) -> None:
+        """At idle C == N - 1 plus the extra draft KV reserved once at context."""
         C = self.eng.kv.reserved[r.rid]
-        if C != r.n_host - 1:
+        extra = self.eng.sched.ctx_extra
+        if C != r.n_host - 1 + extra:
+            plus = f"+{extra}" if extra else ""
             self.violations.append(Violation(
                 "I18", step, r.rid, f"I18 step {step} req {r.rid}: after processing, reserved "
-                f"C={C} but N-1={r.n_host - 1} with no step in flight"))
+                f"C={C} but N-1{plus}={r.n_host - 1 + extra} with no step in flight"))
 
     def _finish(self, r: Request, reason: str, now: int) -> None:
         r.finished, r.finish_reason, r.finish_ns = True, reason, now
@@ -129,6 +132,15 @@ class Processor:
             self._emit(r)
             if not r.inflight:
                 del eng.requests[r.rid]
+
+    def halt(self) -> None:
+        """The host threw (a failed reservation): every running request ends unfinished and
+        its blocks are released, as the executor's error path terminates them."""
+        now = int(self.eng.env.now)
+        for r in list(self.eng.sched.running):
+            if not r.freed:
+                self._finish(r, "unfinished", now)
+                self._maybe_release(r, now)
 
     def after_schedule(self) -> None:
         """Requests the scheduler paused or that finished: release what may be released now."""

@@ -21,10 +21,11 @@ PROFILES: dict[str, Switches] = {
     "vllm-v1": Switches(gen_table_width="logical-device", backend="fa2", null_block=True,
                         reuse_tree=False),
     # The vllm-v1 profile before it modelled vLLM's scheduler: kvsim's TensorRT-LLM scheduler
-    # and KV manager with vLLM's null block, FA2 metadata and a flat hash map of full blocks
+    # and KV manager with vLLM's null block, FA2 metadata, a flat hash map of full blocks and,
+    # under guaranteed-no-evict, kvsim's headroom-counting admission (vLLM has no such policy)
     # (the fast engine runs it).
     "vllm-v1-legacy": Switches(gen_table_width="logical-device", backend="fa2",
-                               null_block=True, reuse_tree=False),
+                               null_block=True, reuse_tree=False, gne_headroom=True),
 }
 
 
@@ -61,9 +62,6 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "TRT-LLM #18557", "the eager plan cache grows once per batch size seen"),
     Fault("draft_past_limit", {"draft_clamp": False}, "I16",
           "TRT-LLM #4879; Gemma4 RoPE table", "drafts not clamped at the position limit"),
-    Fault("gne_without_headroom", {"gne_spec_headroom": False}, "I19",
-          "docs/design.md §3.3 (TRT-LLM getRemainingBlocksToCompletion)",
-          "admission omits 2(W-1)+extra: a later reservation fails"),
     Fault("device_ahead_overrun", {"reserve_extra_kv": False}, "I1",
           "TRT-LLM #16280", "draft-layer KV written past the reservation"),
     Fault("free_in_flight", {"defer_free_in_flight": False}, "I17",

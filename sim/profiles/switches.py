@@ -28,9 +28,10 @@ class Switches:
     plan_key: str = "fresh"
     # Runtime draft length clamped so no position passes the legal limit (TRT-LLM #4879).
     draft_clamp: bool = True
-    # Guaranteed-no-evict's blocks-to-completion includes 2(W-1)+extra headroom.
-    gne_spec_headroom: bool = True
-    # Reservations include the draft layers' extra KV tokens (TRT-LLM #16280 class).
+    # Guaranteed-no-evict counts the 2(W-1)+extra spec/overlap headroom, clamped at 0: kvsim's
+    # safe variant, not TRT-LLM's formula (docs/design.md §3.3); vllm-v1 keeps it.
+    gne_headroom: bool = False
+    # The first context chunk reserves the draft layers' extra KV tokens (TRT-LLM #16280 class).
     reserve_extra_kv: bool = True
     # A finished/paused request's blocks are freed only after its in-flight steps are processed.
     defer_free_in_flight: bool = True

@@ -36,19 +36,30 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.violations: list[Violation] = []
+        # The block manager threw on the host ("No free blocks left"): nothing more launches.
+        self.host_error = False
 
     # -- sizes ------------------------------------------------------------------------------
     @property
     def gen_reserve(self) -> int:
-        """Slots reserved per generation step: the token, D draft placeholders (+ draft KV)."""
-        return 1 + self.D + (self.extra if self.sw.reserve_extra_kv else 0)
+        """Slots reserved per generation step: the token and D draft placeholders
+        (TRT-LLM KVCacheManager.prepare_resources: add_token x (1 + draft length))."""
+        return 1 + self.D
+
+    @property
+    def ctx_extra(self) -> int:
+        """The draft layers' extra KV slots, reserved once, at the first context chunk
+        (prepare_resources: add_token x num_extra_kv_tokens); held until the request is freed."""
+        return self.extra if self.sw.reserve_extra_kv else 0
 
     def reach_headroom(self) -> int:
         """Slots a request can hold past its final length: the step in flight and this one."""
         per = self.D + self.extra
         return 2 * per if self.overlap else per
 
-    def blocks_to_completion(self, r: Request, headroom: int) -> int:
+    def blocks_to_completion(self, r: Request, headroom: int = 0) -> int:
+        """TRT-LLM getRemainingBlocksToCompletion's total, ceil(min(P + max_new, window) / B),
+        plus `headroom` slots (only kvsim's arrival guard passes any)."""
         left = r.output_len - r.outputs_done_at_admit()
         total = min(r.prefill_len + left, self.sc.limits.max_seq_len)
         return -(-(total + headroom) // self.B)
@@ -73,6 +84,8 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------------
     def schedule(self, step: int) -> Batch:
         batch = Batch()
+        if self.host_error:
+            return batch
         budget = self.sc.scheduler.max_num_tokens
         for r in list(self.running):
             if len(batch) >= self.sc.scheduler.max_batch_size:
@@ -85,6 +98,10 @@ class Scheduler:
             if self._reserve_gen(r, step):
                 batch.gen.append((r, d))
                 budget -= 1 + d
+            elif self.host_error:  # the exception ends the step's preparation: none launches
+                for q, _d in batch.gen:
+                    self.kv.rewind(q.rid, self.gen_reserve)
+                return Batch()
         self._schedule_context(batch, budget, step)
         return batch
 
@@ -92,9 +109,8 @@ class Scheduler:
         if self.kv.reserve(r.rid, self.gen_reserve):
             return True
         if self.sc.scheduler.policy == "guaranteed-no-evict":
-            # Admission promised this fits; it does not (under-reserved headroom). The engine
-            # launches anyway, as TRT-LLM would, and I1 reports the overrun.
-            return True
+            self._host_error(r, step)
+            return False
         # max-utilization: pause the newest running request (possibly r) and let r wait a step.
         # The victim's blocks are released once no step of it is in flight, so retrying here
         # could not succeed: that loop was a livelock (found by the soak and the sweeps).
@@ -155,36 +171,44 @@ class Scheduler:
         if not self.sc.scheduler.chunk_size and r.prefill_len > budget:
             return False
         match, hit = self.kv.match(r.tokens, r.prefill_len)
-        if self.sc.scheduler.policy == "guaranteed-no-evict" and not self._gne_fits(r, step):
+        if self.sc.scheduler.policy == "guaranteed-no-evict" and not self._gne_fits(r):
             return False
-        if not self.kv.admit(r.rid, match, r.prefill_len):
+        slots = r.prefill_len + self.ctx_extra
+        if not self.kv.admit(r.rid, match, slots):
             if match.partial_src < 0:
                 return False
             # The copy target needs a block while its source is held: on a pool with no room
             # for that, reuse only the full blocks (found by the fuzzer: a request that fits an
             # empty pool waited forever for the transient extra block).
             match, hit = PrefixMatch(match.full, match.hashes), len(match.full) * self.B
-            if not self.kv.admit(r.rid, match, r.prefill_len):
+            if not self.kv.admit(r.rid, match, slots):
                 return False
         r.state, r.ctx_pos, r.committed = State.CONTEXT, hit, hit
         r.reused_tokens = max(r.reused_tokens, hit)
         return True
 
-    def _gne_fits(self, r: Request, step: int) -> bool:
-        true_head = self.reach_headroom()
-        head = true_head if self.sw.gne_spec_headroom else 0
-        promised = sum(max(0, self.blocks_to_completion(q, head) - len(self.kv.blocks[q.rid]))
-                       for q in self.running if self.kv.holds(q.rid))
-        need = self.blocks_to_completion(r, head)
-        if need > self.kv.pool.num_free - promised:
-            return False
-        if head < true_head:
-            full = self.blocks_to_completion(r, true_head)
-            self.violations.append(Violation(
-                "I19", step, r.rid,
-                f"I19 step {step} req {r.rid}: guaranteed-no-evict admitted with {need} blocks to "
-                f"completion, but spec/overlap headroom of {true_head} slots needs {full}"))
-        return True
+    def _host_error(self, r: Request, step: int) -> None:
+        """Guaranteed-no-evict admitted r, yet its generation reservation found no free block:
+        TRT-LLM's block manager throws on the host (WindowBlockManager::allocateBlock, "No
+        free blocks left"), so the step is never launched and the run stops."""
+        self.host_error = True
+        self.violations.append(Violation(
+            "HOST", step, r.rid,
+            f"HOST step {step} req {r.rid}: reserving {self.gen_reserve} slots on C="
+            f"{self.kv.reserved[r.rid]} needs {self.kv.blocks_needed(r.rid, self.gen_reserve)} "
+            f"blocks, {self.kv.pool.num_free} free: the block manager throws (No free blocks "
+            f"left) and the step is not launched"))
+
+    def _gne_fits(self, r: Request) -> bool:
+        """TRT-LLM GuaranteedNoEvictScheduler: the pool's free blocks less every running
+        request's getRemainingBlocksToCompletion (no draft or overlap headroom, and no clamp at
+        0: a request holding more than its total makes the pool look freer). With the
+        `gne_headroom` switch, kvsim's own safe variant: headroom counted, clamped at 0."""
+        head = self.reach_headroom() if self.sw.gne_headroom else 0
+        left = [self.blocks_to_completion(q, head) - len(self.kv.blocks[q.rid])
+                for q in self.running if self.kv.holds(q.rid)]
+        promised = sum(max(0, x) for x in left) if self.sw.gne_headroom else sum(left)
+        return self.blocks_to_completion(r, head) <= self.kv.pool.num_free - promised
 
     # -- lifecycle --------------------------------------------------------------------------
     def preempt(self, r: Request) -> None:

@@ -38,7 +38,7 @@ ENUMS = {("steps", "backend"): ("fa2", "fa3", "xqa"),
          ("blocks", "phase"): ("sched", "proc"),
          ("blocks", "event"): ("alloc", "reuse", "copy", "free", "evict", "rewind", "hash",
                                "done")}
-_INVARIANT = re.compile(r"(I[0-9]{1,2}|POOL|LIVENESS)")  # sim/check/registry.py's names
+_INVARIANT = re.compile(r"(I[0-9]{1,2}|POOL|LIVENESS|HOST)")  # sim/check/registry.py's names
 
 # (table, column) -> (lo, hi) for integer columns; hi None: MAX_ID. Counts >= 0, ids >= 0,
 # "none" sentinels -1 (docs/trace.md). Timestamps in [0, MAX_NS] (-1: never happened).
@@ -204,7 +204,7 @@ def _enum(file: str, t: pa.Table, col: str, allowed: tuple[str, ...]) -> None:
 def _invariants(file: str, t: pa.Table) -> None:
     for i, name in enumerate(t.column("invariant").to_pylist()):  # a few rows at most
         if not _INVARIANT.fullmatch(name):
-            raise _bad(file, "invariant", "must name an invariant (I1.., POOL, LIVENESS)",
+            raise _bad(file, "invariant", "must name an invariant (I1.., POOL, LIVENESS, HOST)",
                        name, i)
 
 

@@ -54,10 +54,11 @@ def test_finding_is_written_and_reproduces(tmp_path: Path) -> None:
 
 
 def test_clean_budget_exits_0(tmp_path: Path) -> None:
-    # The fixed profile with the known pending bugs ignored: clean within a short budget.
+    # The fixed profile with the known pending bugs ignored: clean within a short budget. HOST
+    # is TRT-LLM's own failure (guaranteed-no-evict admits without spec/overlap headroom).
     res = runner.invoke(app, ["fuzz", "--profile", "trtllm-post-17264", "--budget", "2",
                               "--out", str(tmp_path / "o"), "--db", str(tmp_path / "db"),
-                              "--json", "--ignore", "hang",
+                              "--json", "--ignore", "hang", "--ignore", "HOST",
                               "--ignore", "POOL", "--ignore", "LIVENESS", "--ignore", "I17"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["finding"] is None

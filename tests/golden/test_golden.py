@@ -26,12 +26,12 @@ from sim.trace.schema import RUN_COLUMNS, RUN_LISTS, TABLES
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = {
     "worked_example": "b1d5ff8b1c3a87f5bf042b521db2320eaa04f03467fb4abcc44017165b21648c",
-    "default": "db40a13bed74fb7573383d150aa14b73a9901d62649c70f1af483ddf63545a3d",
+    "default": "d8e8d980461f95bcee922bfb3b5ec08d6967536c9453aba621743d06d33e464a",
 }
 # the same scenarios' digests as format 2 wrote them (kvsim before format 3)
 FORMAT_2 = {
     "worked_example": "9099162c67001d52e2a4df88faf6db4f5c772206ed31af85ff9e479aea519afa",
-    "default": "10ae142c7d0e1f8314f465e9cdb552525d11553c9a558423ce8afc2a41b4fca8",
+    "default": "2109371ab85fed37ce821a7f7fd9cc7ffcdda2bf43b8b934d05b212ebaef3c41",
 }
 
 

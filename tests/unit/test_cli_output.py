@@ -122,7 +122,7 @@ def test_fuzz_ignore_choices_are_the_registry_s_invariants() -> None:
     from sim.check.registry import INVARIANTS
     from sim.cli.choices import Ignorable
 
-    assert [i.value for i in Ignorable] == [*INVARIANTS, "LIVENESS", "hang", "crash"]
+    assert [i.value for i in Ignorable] == [*INVARIANTS, "LIVENESS", "HOST", "hang", "crash"]
     r = kvsim("fuzz", "--profile", "trtllm-post-17264", "--ignore", "I99")
     assert r.exit_code == 2 and r.output.startswith(
         "error: kvsim fuzz: Invalid value for '--ignore': 'I99' is not one of 'I1',")

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[2]
 FIRST_STEP = {
     "uncorrected_overlap": 2, "first_gen_host_estimate": 1, "logical_width_table": 3,
     "reserved_table_fa2": 1, "plan_without_width": 2, "plan_keyed_by_batch": 8,
-    "draft_past_limit": 4, "gne_without_headroom": 0, "device_ahead_overrun": 1,
+    "draft_past_limit": 4, "device_ahead_overrun": 1,
     "free_in_flight": 2, "double_free": 2, "append_into_shared": 9,
     "stale_graph_pages": 3,
 }

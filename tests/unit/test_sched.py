@@ -66,13 +66,15 @@ def test_generation_rows_first_and_reserve_one_plus_d():
     assert s.kv.reserved[0] == 8 + 4  # C += 1 + D
 
 
-def test_gne_admission_includes_spec_and_overlap_headroom():
-    s = make(D=3, blocks=4, B=4, overlap=True)  # P 8 + out 4 = 12 slots + 2*3 headroom = 18
+def test_gne_admission_counts_no_spec_or_overlap_headroom():
+    """TRT-LLM getRemainingBlocksToCompletion: ceil((P + max_new) / B), whatever D and overlap
+    (capacitySchedulerTest's expectations likewise count prompt + max_new only)."""
+    s = make(D=3, blocks=3, B=4, overlap=True)  # P 8 + out 4 = 12 slots = 3 blocks
     s.waiting.append(req(0, 8))
-    assert len(s.schedule(0)) == 0 and not s.violations  # 5 blocks > 4: wait
-    s2 = make(D=3, blocks=5, B=4, overlap=True)
+    assert len(s.schedule(0)) == 1 and not s.violations
+    s2 = make(D=3, blocks=2, B=4, overlap=True)
     s2.waiting.append(req(0, 8))
-    assert len(s2.schedule(0)) == 1
+    assert len(s2.schedule(0)) == 0
 
 
 def test_max_utilization_preempts_the_newest_request_when_a_reservation_fails():

@@ -20,8 +20,9 @@ from sim.check import StepChecker
 from sim.cli import app
 from sim.config import parse_scenario
 from sim.engines.record import record
-from sim.engines.vllm import run_driver, vllm_python
+from sim.engines.vllm import VllmSession, vllm_python
 from sim.engines.vllm_trace import Converter
+from sim.errors import KvsimError, ScenarioError
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
@@ -69,16 +70,36 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def runs() -> dict[str, list[dict]]:
+def session():
+    """One driver process for the module's cases: its start-up is most of their cost."""
+    with VllmSession() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def runs(session) -> dict[str, list[dict]]:
     """Each case's objects from the driver: its steps, then its requests report."""
-    out: dict[str, list[dict]] = {name: [] for name in CASES}
-    names = iter(CASES)
-    name = next(names)
-    for o in run_driver({"runs": list(CASES.values())}):
-        out[name].append(o)
-        if "requests" in o:
-            name = next(names, "")
-    return out
+    return {name: list(session.run(case)) for name, case in CASES.items()}
+
+
+def test_one_process_runs_many_workloads_each_on_a_fresh_scheduler(session, runs):
+    """A workload run again in the same driver process, after others, gives the same objects:
+    nothing of an earlier run's scheduler, pool or prefix cache carries over."""
+    assert list(session.run(CASES["prefill"])) == runs["prefill"]
+    assert session.proc is not None and session.runs >= len(CASES) + 1
+
+
+def test_a_refused_or_failing_workload_leaves_the_session_usable(session, runs):
+    """vLLM's start-up refusal and an exception inside vLLM end that workload only: the
+    driver answers the next one from the same process."""
+    pid = session.proc.pid
+    with pytest.raises(ScenarioError, match="cache.num_blocks: vLLM does not start"):
+        list(session.run({**CASES["evict"], "startup_check": True, "max_model_len": 8192}))
+    bad = {**CASES["evict"], "requests": [{**_req(0, [1, 2]), "prompt": "not a list"}]}
+    with pytest.raises(KvsimError, match="vLLM raised on"):
+        list(session.run(bad))
+    assert list(session.run(CASES["evict"])) == runs["evict"]
+    assert session.proc.pid == pid
 
 
 def _first_row(objs: list[dict], request: int) -> tuple[dict, dict]:

@@ -60,10 +60,13 @@ def run_vllm(c: VllmCampaign, out: Path, as_json: bool) -> None:
 
 class _Lines:
     def __init__(self, examples: int) -> None:
-        self.examples, self.next = examples, 0.0
+        self.examples, self.next, self.shrinking = examples, 0.0, ""
 
     def __call__(self, t: Tally) -> None:
-        if t.elapsed >= self.next:
+        if t.shrinking != self.shrinking:
+            self.shrinking = t.shrinking
+            err_console.print(f"shrinking {t.shrinking}", highlight=False)
+        elif t.elapsed >= self.next and not t.shrinking:
             self.next = t.elapsed + 30.0
             err_console.print(f"{t.workloads}/{self.examples} workloads, "
                               f"{t.workloads - t.clean} not clean, {t.elapsed:.0f} s",
@@ -81,6 +84,8 @@ def _table(t: Tally | None) -> Table:
     tab.add_row("diverged", _counter(t.diverged))
     tab.add_row("violations", _counter(t.violations))
     tab.add_row("crashes", _counter(t.crashes))
+    if t.shrinking:
+        tab.add_row("shrinking", t.shrinking)
     return tab
 
 

@@ -44,6 +44,7 @@ class Tally:
     violations: Counter[str] = field(default_factory=Counter)  # invariant -> workloads
     crashes: Counter[str] = field(default_factory=Counter)  # engine -> workloads
     elapsed: float = 0.0
+    shrinking: str = ""  # the class being shrunk, once the search pass is over
 
     def add(self, o: Outcome) -> None:
         if o.refused:
@@ -90,8 +91,13 @@ class VllmCampaign:
             ev = Evaluator(session)
             try:
                 tally = self._search(ev, on_progress)
-                shrunk = ([self._shrink(ev, c) for c in self.findings(tally)]
-                          if self.shrink else [])
+                shrunk = []
+                for c in self.findings(tally) if self.shrink else []:
+                    tally.shrinking = c
+                    if on_progress is not None:
+                        on_progress(tally)
+                    shrunk.append(self._shrink(ev, c))
+                tally.shrinking = ""
             finally:
                 ev.close()
         return tally, [s for s in shrunk if s is not None]

@@ -454,4 +454,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # an orderly exit waits seconds on threads vLLM's imports leave running

@@ -112,7 +112,7 @@ class VllmCampaign:
         def workload(d: dict[str, Any]) -> None:
             now = time.monotonic()
             if now >= end:
-                return  # past the budget: hypothesis finishes generating, nothing runs
+                raise _OutOfTime  # generate-only: hypothesis re-raises it without shrinking
             o = ev(d)
             assert o is not None
             tally.add(o)
@@ -122,7 +122,10 @@ class VllmCampaign:
                 on_progress(tally)
 
         workload._hypothesis_internal_use_seed = self.seed  # type: ignore[attr-defined]
-        workload()
+        try:
+            workload()
+        except _OutOfTime:
+            pass
         tally.elapsed = time.monotonic() - t0
         if on_progress is not None:
             on_progress(tally)
@@ -149,6 +152,10 @@ class VllmCampaign:
         assert o is not None and cls in o.classes, "a shrunk workload no longer fails; " \
             "a run is not deterministic (a bug in kvsim's vLLM adapter)"
         return Shrunk(cls, o.messages.get(cls, ""), d)
+
+
+class _OutOfTime(Exception):
+    """The search pass's budget is spent."""
 
 
 @dataclass(frozen=True)

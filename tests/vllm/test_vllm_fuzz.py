@@ -61,10 +61,15 @@ def test_a_divergence_shrinks_to_a_scenario_that_reproduces_it(tmp_path):
     assert json.loads(res.output)["first"]["field"] == cls.split(":")[1]
 
 
-def test_cli_counts_and_json(tmp_path):
-    res = runner.invoke(app, ["fuzz", "--engine", "vllm", "--examples", "2", "--no-shrink",
-                              "--seed", "1", "--json", "--out", str(tmp_path / "o")])
+def test_cli_counts_and_json_within_the_budget(tmp_path):
+    """--budget ends the search before --examples (each workload takes far more than a
+    millisecond here), and --json reports what ran."""
+    res = runner.invoke(app, ["fuzz", "--engine", "vllm", "--examples", "100000", "--budget",
+                              "3", "--no-shrink", "--seed", "1", "--json",
+                              "--out", str(tmp_path / "o")])
     assert res.exit_code in (0, 1), res.output
     rep = json.loads(res.output)
-    assert (rep["engine"], rep["workloads"], rep["shrunk"]) == ("vllm", 2, [])
-    assert res.exit_code == (0 if rep["clean"] == 2 else 1)
+    assert (rep["engine"], rep["examples"], rep["shrunk"]) == ("vllm", 100000, [])
+    assert 1 <= rep["workloads"] < 100000
+    assert res.exit_code == (0 if rep["clean"] == rep["workloads"] else 1)
+    assert not (tmp_path / "o").exists()  # nothing shrunk, nothing written

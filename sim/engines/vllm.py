@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
 from collections import deque
@@ -214,7 +215,18 @@ def _raise_for(obj: dict, p: dict) -> None:
                             f"{p['max_model_len']}, got {p['num_blocks']} blocks)")
     if "error" in obj:
         raise KvsimError(f"{DRIVER.name}: vLLM raised on {p.get('where', 'scenario')}: "
-                         f"{obj['error'].strip().splitlines()[-1]}")
+                         f"{_where_raised(obj['error'])}")
+
+
+def _where_raised(tb: str) -> str:
+    """'AssertionError at vllm/v1/core/sched/scheduler.py:1579 in schedule' from a traceback:
+    the exception and the innermost frame, where the fault is."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb)
+    what = tb.strip().splitlines()[-1]
+    if not frames:
+        return what
+    path, line, fn = frames[-1]
+    return f"{what} at {path.split('site-packages/')[-1]}:{line} in {fn}"
 
 
 def run_driver(p: dict) -> Iterator[dict]:

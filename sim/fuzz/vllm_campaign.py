@@ -116,8 +116,9 @@ class VllmCampaign:
             o = ev(d)
             assert o is not None
             tally.add(o)
+            now = time.monotonic()
             tally.elapsed = now - t0
-            if on_progress is not None and now - last[0] > 1.0:
+            if on_progress is not None and (now - last[0] > 1.0 or tally.workloads == 1):
                 last[0] = now
                 on_progress(tally)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from sim.api import load_scenario
 from sim.check import StepChecker
 from sim.cli import app
 from sim.config import parse_scenario
@@ -239,3 +240,17 @@ def test_a_pool_vllm_would_not_start_with_is_refused(tmp_path):
     assert r.exit_code == 2, r.output
     assert ": cache.num_blocks: vLLM does not start: " in r.output and "needs 16 blocks" in r.output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
+
+
+def test_vllm_asserts_when_the_prefill_threshold_clips_spec_decode_padding(session,
+                                                                           tmp_path):
+    """A vLLM 0.33.0 bug the fuzzer found (docs/vllm.md): a waiting request with one token
+    left, admitted beside a running one, is padded to 1 + k tokens and then clipped by
+    long_prefill_token_threshold; schedule() asserts. With the threshold at 1 + k it runs."""
+    sc, base = load_scenario(HERE / "spec_pad_clip.toml")
+    with pytest.raises(KvsimError, match="AssertionError at vllm/v1/core/sched/scheduler.py:"
+                                         r"\d+ in schedule"):
+        record(sc, tmp_path / "t", base, session=session)
+    ok = sc.model_copy(update={"scheduler": sc.scheduler.model_copy(update={"chunk_size": 2})})
+    assert record(ok, tmp_path / "ok", base, session=session).violations == []
+    assert not (tmp_path / "t").exists()

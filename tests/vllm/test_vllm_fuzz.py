@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from sim.cli import app
 from sim.engines.vllm import vllm_python
 from sim.fuzz.vllm_campaign import VllmCampaign
+from sim.fuzz.vllm_report import counts, report, write_report
 
 pytestmark = pytest.mark.skipif(not vllm_python().exists(),
                                 reason="no .venv-vllm (make vllm-env)")
@@ -52,7 +53,8 @@ def test_a_divergence_shrinks_to_a_scenario_that_reproduces_it(tmp_path):
     tally, shrunk = c.run()
     cls = c.findings(tally)[0]
     assert [s.cls for s in shrunk][:1] == [cls] and cls.startswith("diverged:")
-    from sim.fuzz.vllm_report import report, write_report
+    again, _ = VllmCampaign(seed=0, examples=3, shrink=False).run()  # seeded: the same counts
+    assert {**counts(again), "elapsed_s": 0} == {**counts(tally), "elapsed_s": 0}
     rep = report(tally, shrunk, 0, 3, tmp_path / "out")
     write_report(rep, shrunk, tmp_path / "out")
     path = tmp_path / "out" / rep["shrunk"][0]["scenario"].rsplit("/", 1)[1]

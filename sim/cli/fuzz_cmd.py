@@ -39,8 +39,9 @@ def fuzz_cmd(
                                  "(default 60; with --engine: no limit besides --examples)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the search's random streams."),
     out: str = typer.Option("fuzz-out", "--out", "-o",
-                            help="Folder for the shrunk scenario.toml and finding.json (a new "
-                                 "path, or an earlier finding with --force)."),
+                            help="Folder for the shrunk scenario.toml and finding.json "
+                                 "(with --engine: report.json and one CLASS.toml per class); "
+                                 "a new path, or an earlier finding with --force."),
     force: bool = typer.Option(False, "--force", help="Replace --out when it holds an earlier "
                                "kvsim fuzz finding."),
     workers: int = typer.Option(1, "--workers", "-j",

@@ -27,7 +27,7 @@ from sim.fuzz.vllm_report import counts  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--examples", type=positive, default=200)
+    ap.add_argument("--examples", type=positive, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/vllm_fuzz.json")
     a = ap.parse_args()

@@ -1,4 +1,6 @@
 """`kvsim fuzz --profile P`: a hypothesis campaign that shrinks the first violation to a file.
+`kvsim fuzz --engine vllm`: workloads through vLLM's real scheduler and the vllm-v1 profile,
+counted and shrunk per divergence and violation (sim/cli/fuzz_vllm.py).
 
 Exit 0: the budget ended with no violation; 1: a violation was found, shrunk and written to
 --out (with the command that reproduces it); 2: bad input.
@@ -14,7 +16,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from sim.cli.choices import Ignorable
+from sim.cli.choices import Ignorable, RealEngine
 from sim.cli.common import console, err_console, fail, user_errors
 
 
@@ -23,13 +25,23 @@ def register(app: typer.Typer) -> None:
 
 
 def fuzz_cmd(
-    profile: str = typer.Option(..., "--profile", "-p",
+    profile: str = typer.Option(None, "--profile", "-p",
                                 help="Engine profile, e.g. trtllm-post-17264 or BASE+FAULT."),
-    budget: float = typer.Option(60.0, "--budget", help="Seconds to search before giving up."),
+    engine: RealEngine = typer.Option(None, "--engine", help="vllm: run each workload through "
+                                      "vLLM 0.33.0's real scheduler (make vllm-env) and the "
+                                      "vllm-v1 profile; count divergences and violations."),
+    examples: int = typer.Option(100, "--examples", "-n",
+                                 help="With --engine: workloads to run."),
+    shrink: bool = typer.Option(True, "--shrink/--no-shrink",
+                                help="With --engine: shrink each divergence and violation "
+                                     "class to a scenario under --out."),
+    budget: float = typer.Option(None, "--budget", help="Seconds to search before giving up "
+                                 "(default 60; with --engine: no limit besides --examples)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the search's random streams."),
     out: str = typer.Option("fuzz-out", "--out", "-o",
-                            help="Folder for the shrunk scenario.toml and finding.json (a new "
-                                 "path, or an earlier finding with --force)."),
+                            help="Folder for the shrunk scenario.toml and finding.json "
+                                 "(with --engine: report.json and one CLASS.toml per class); "
+                                 "a new path, or an earlier finding with --force."),
     force: bool = typer.Option(False, "--force", help="Replace --out when it holds an earlier "
                                "kvsim fuzz finding."),
     workers: int = typer.Option(1, "--workers", "-j",
@@ -45,11 +57,17 @@ def fuzz_cmd(
                                       "(e.g. fuzz BASE+FAULT with --baseline BASE)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
-    """Search generated scenarios for an invariant violation under PROFILE."""
+    """Search generated scenarios for an invariant violation under PROFILE, or (--engine vllm)
+    run workloads through the real vLLM and the vllm-v1 profile and count what differs."""
     from sim.fuzz.parallel import run_campaign
 
-    cfg = _validate(profile, budget, seed, out, force, workers, db, [i.value for i in ignore],
-                    baseline)
+    if engine is not None:
+        _vllm(profile, examples, shrink, budget, seed, out, force, workers, db,
+              [i.value for i in ignore], baseline, as_json)
+    if profile is None:
+        fail("--profile: an engine profile is needed (or --engine vllm)")
+    cfg = _validate(profile, 60.0 if budget is None else budget, seed, out, force, workers, db,
+                    [i.value for i in ignore], baseline)
     with user_errors():
         if as_json or not err_console.is_terminal:
             finding, prog = run_campaign(cfg)
@@ -60,6 +78,24 @@ def fuzz_cmd(
                                              lambda p: live.update(_table(cfg.profile, p)))
                 live.update(_table(cfg.profile, prog))
     _finish(finding, prog, cfg, Path(out), as_json)
+
+
+def _vllm(profile: str | None, examples: int, shrink: bool, budget: float | None, seed: int,
+          out: str, force: bool, workers: int, db: Path | None, ignore: list[str],
+          baseline: str | None, as_json: bool) -> None:
+    from sim.cli.fuzz_vllm import check_vllm_options, run_vllm
+    from sim.cli.options import check_seconds, check_seed
+    from sim.fuzz.vllm_campaign import VllmCampaign
+    from sim.outputs import Kind, check_out
+
+    check_vllm_options(profile, workers, db, baseline, examples)
+    with user_errors():
+        check_out(out, Kind.FUZZ, force)  # before any work: a refused --out costs nothing
+        if budget is not None:
+            check_seconds(budget, "--budget")
+        check_seed(seed)
+    run_vllm(VllmCampaign(seed, examples, budget, shrink, ignore=frozenset(ignore)), Path(out),
+             as_json)
 
 
 def _validate(profile: str, budget: float, seed: int, out: str, force: bool, workers: int,

@@ -14,7 +14,7 @@ from pathlib import Path
 from sim.api import kvsim_version
 from sim.check import StepChecker
 from sim.config import Scenario
-from sim.engines.vllm import PINNED, payload, run_driver
+from sim.engines.vllm import PINNED, VllmSession, payload, run_driver
 from sim.engines.vllm_trace import Converter, request_records
 from sim.profiles import resolve_profile
 from sim.trace.records import RequestRecord, Violation
@@ -39,8 +39,9 @@ def model_info(sc: Scenario) -> dict:
 
 
 def record(sc: Scenario, out: Path, base_dir: Path | None = None,
-           where: str = "scenario") -> Recorded:
-    """Drive vLLM with `sc` (already checked by `refuse_unsupported`) and write the trace.
+           where: str = "scenario", session: VllmSession | None = None) -> Recorded:
+    """Drive vLLM with `sc` (already checked by `refuse_unsupported`) and write the trace;
+    in `session`'s driver process when given, else in one of its own.
 
     Raises VllmEnvError (no or another vLLM), ScenarioError (vLLM will not start with this
     pool; `where` names the scenario), KvsimError (the driver failed); nothing is left at
@@ -54,7 +55,7 @@ def record(sc: Scenario, out: Path, base_dir: Path | None = None,
     checker = StepChecker(model)
     writer = TraceWriter(out)
     try:
-        stream = _Stream(run_driver(p))
+        stream = _Stream(session.run(p) if session is not None else run_driver(p))
         violations, steps, peak = _steps(stream, conv, checker, writer)
         violations += checker.finish()
         if stream.last is None or "requests" not in stream.last:

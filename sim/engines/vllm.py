@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import threading
+from collections import deque
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -138,55 +140,120 @@ def _step_bound(reqs: list[dict]) -> int:
     return 4 * sum(len(r["prompt"]) + r["output_len"] for r in reqs) + 16
 
 
-def run_driver(p: dict) -> Iterator[dict]:
-    """Run the driver on payload `p`; yield its step objects, then the requests object.
+class VllmSession:
+    """One driver process that runs any number of payloads, each on a fresh scheduler: vLLM's
+    imports are paid once, not per workload. Use as a context manager; `run` may be called
+    again after an earlier run ended, was refused or failed.
 
-    Raises VllmEnvError when .venv-vllm is missing or holds another vLLM version, and
-    KvsimError when the driver fails (its last stderr lines in the message).
+    Raises VllmEnvError (at start) when .venv-vllm is missing or holds another vLLM version.
     """
-    py = vllm_python()
-    if not py.exists():
-        raise VllmEnvError(f"{py}: no vLLM environment; build it with `{MAKE_TARGET}`")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CONFIGURE_LOGGING="0",
-               TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.Popen([str(py), str(DRIVER)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
-    err: list[str] = []
-    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
-    drain.start()
-    try:
-        yield from _read(proc, p)
-    except BaseException:  # an error, ^C, or a reader that stopped early: end the driver
-        proc.kill()
-        raise
-    finally:
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.err: deque[str] = deque(maxlen=40)  # the driver's stderr tail, for messages
+        self.runs = 0
+
+    def __enter__(self) -> VllmSession:
+        self._start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        py = vllm_python()
+        if not py.exists():
+            raise VllmEnvError(f"{py}: no vLLM environment; build it with `{MAKE_TARGET}`")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CONFIGURE_LOGGING="0",
+                   TOKENIZERS_PARALLELISM="false")
+        self.proc = proc = subprocess.Popen(
+            [str(py), str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, env=env, text=True)
+        threading.Thread(target=lambda: self.err.extend(proc.stderr),  # type: ignore[arg-type]
+                         daemon=True).start()
+        assert proc.stdout is not None
+        head = json.loads(proc.stdout.readline() or "{}")
+        if head.get("vllm") != PINNED:
+            self.close()
+            if not head:
+                raise self._failed()
+            raise VllmEnvError(f"{vllm_python()}: vllm {head.get('vllm')} is installed; the "
+                               f"adapter is pinned to {PINNED} (rebuild with `{MAKE_TARGET}`)")
+
+    def run(self, p: dict) -> Iterator[dict]:
+        """Run payload `p`; yield its step objects, then its requests object.
+
+        Raises ScenarioError when vLLM will not start with the payload's pool, and KvsimError
+        when vLLM raised or the driver died (its last lines in the message). A reader that
+        stops early ends the process; the next run starts a new one.
+        """
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None and proc.stdout is not None
+        self.runs += 1
+        done = False
+        try:
+            proc.stdin.write(json.dumps(p, separators=(",", ":")) + "\n")
+            proc.stdin.flush()
+            for line in proc.stdout:
+                obj = json.loads(line)
+                done = "requests" in obj or "refused" in obj or "error" in obj
+                _raise_for(obj, p)
+                yield obj
+                if done:
+                    return
+        except BrokenPipeError:  # the driver died: its stderr says why
+            pass
+        finally:
+            if not done:  # an error, ^C, or a reader that stopped mid-run
+                self.close(kill=True)
+        raise self._failed()
+
+    def _failed(self) -> KvsimError:
+        tail = "".join(list(self.err)[-5:]).strip()
+        return KvsimError(f"{DRIVER.name}: the vLLM driver died: {tail}")
+
+    def close(self, kill: bool = False) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if kill:
+            proc.kill()
         if proc.stdin is not None and not proc.stdin.closed:
-            proc.stdin.close()  # a child the driver started sees EOF, and lets stderr go
-        proc.wait()
-        drain.join()
-    if proc.returncode:
-        tail = "".join(err[-5:]).strip()
-        raise KvsimError(f"{DRIVER.name}: the vLLM driver failed (exit {proc.returncode}): "
-                         f"{tail}")
+            try:
+                proc.stdin.close()  # EOF: the driver's loop ends
+            except BrokenPipeError:
+                pass
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
-def _read(proc: subprocess.Popen, p: dict) -> Iterator[dict]:
-    assert proc.stdin is not None and proc.stdout is not None
-    head = json.loads(proc.stdout.readline() or "{}")
-    version = head.get("vllm")
-    if version != PINNED:
-        proc.kill()
-        raise VllmEnvError(f"{vllm_python()}: vllm {version} is installed; the adapter is "
-                           f"pinned to {PINNED} (rebuild with `{MAKE_TARGET}`)")
-    try:  # the driver reads the whole payload before it answers
-        json.dump(p, proc.stdin)
-        proc.stdin.close()
-    except BrokenPipeError:  # the driver died: its exit status says why
-        return
-    for line in proc.stdout:
-        obj = json.loads(line)
-        if "refused" in obj:  # vLLM's own start-up check said no: the scenario's pool
-            raise ScenarioError(f"{p.get('where', 'scenario')}: cache.num_blocks: vLLM does "
-                                f"not start: {obj['refused']} (limits.max_seq_len "
-                                f"{p['max_model_len']}, got {p['num_blocks']} blocks)")
-        yield obj
+def _raise_for(obj: dict, p: dict) -> None:
+    if "refused" in obj:  # vLLM's own start-up check said no: the scenario's pool
+        raise ScenarioError(f"{p.get('where', 'scenario')}: cache.num_blocks: vLLM does "
+                            f"not start: {obj['refused']} (limits.max_seq_len "
+                            f"{p['max_model_len']}, got {p['num_blocks']} blocks)")
+    if "error" in obj:
+        raise KvsimError(f"{DRIVER.name}: vLLM raised on {p.get('where', 'scenario')}: "
+                         f"{_where_raised(obj['error'])}")
+
+
+def _where_raised(tb: str) -> str:
+    """'AssertionError at vllm/v1/core/sched/scheduler.py:1579 in schedule' from a traceback:
+    the exception and the innermost frame, where the fault is."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', tb)
+    what = tb.strip().splitlines()[-1]
+    if not frames:
+        return what
+    path, line, fn = frames[-1]
+    return f"{what} at {path.split('site-packages/')[-1]}:{line} in {fn}"
+
+
+def run_driver(p: dict) -> Iterator[dict]:
+    """Run payload `p` in a driver process of its own (see VllmSession.run)."""
+    with VllmSession() as s:
+        yield from s.run(p)

@@ -1,15 +1,17 @@
 """Drive vLLM's real v1 scheduler step by step, without a model (runs inside .venv-vllm).
 
 This file is a script, not a kvsim module: it imports only vLLM and the standard library, so it
-runs in vLLM's own virtualenv (`make vllm-env`). kvsim (sim/engines/vllm.py) writes a JSON
-payload on stdin; the script answers on stdout, one JSON object per line:
+runs in vLLM's own virtualenv (`make vllm-env`). kvsim (sim/engines/vllm.py) writes JSON
+payloads on stdin, one per line (a workload and vLLM's config); the script runs each on a fresh
+Scheduler and KVCacheManager, so one process start (vLLM's imports, most of a small run's
+cost) serves any number of workloads. It answers on stdout, one JSON object per line:
 
     {"vllm": "0.33.0"}                          first, before anything else is built
+    then per payload:
     {"step": k, "rows": [...], "events": [...], ...}   one per engine step
     {"requests": [...]}                         last: what became of every request
     {"refused": "..."}                          instead, when vLLM will not start with it
-
-A payload {"runs": [p1, p2, ...]} runs each on a fresh scheduler, one after the other.
+    {"error": "..."}                            instead, when vLLM raised (its traceback)
 
 The loop is `EngineCore.step` + `EngineCore.post_step` of the synchronous engine
 (vllm/v1/engine/core.py at v0.33.0): `Scheduler.schedule()`, a fabricated `ModelRunnerOutput`
@@ -25,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import traceback
 from typing import Any
 
 # Run as a script, this folder comes first on sys.path, and its vllm.py (kvsim's side of the
@@ -35,8 +38,6 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 PINNED = "0.33.0"
 # exit status for an environment kvsim cannot use (a vLLM other than PINNED)
 BAD_ENV = 3
-# exit status when vLLM refuses the configuration (its message is the last line out)
-REFUSED = 4
 
 
 class Refused(Exception):
@@ -431,6 +432,22 @@ class Run:
         return out
 
 
+def run_one(p: dict, out) -> None:
+    """One payload on a fresh scheduler; its objects end with a requests, refused or error
+    object, flushed, so kvsim can send the next payload."""
+    with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as root:
+        try:
+            sched, hasher = build(p, root)
+            run = Run(p, sched, hasher, Recorder(sched, p["block_size"]), out)
+            run.loop()
+            _emit(out, {"requests": run.requests()})
+        except Refused as e:  # what EngineCore would refuse to start with
+            _emit(out, {"refused": str(e)})
+        except Exception:  # noqa: BLE001 - vLLM raised on this workload: report, go on
+            _emit(out, {"error": traceback.format_exc(limit=8)})
+    out.flush()
+
+
 def main() -> int:
     out = os.fdopen(os.dup(1), "w")  # vLLM logs to stdout: keep ours apart, send its to stderr
     os.dup2(2, 1)
@@ -440,23 +457,14 @@ def main() -> int:
     if version != PINNED:
         print(f"vllm {version} is installed; the adapter is pinned to {PINNED}", file=sys.stderr)
         return BAD_ENV
-    p = json.load(sys.stdin)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # {"runs": [...]}: several payloads, each on a fresh scheduler, for one process start
-    for one in p.get("runs", [p]):
-        with tempfile.TemporaryDirectory(prefix="kvsim-vllm-") as root:
-            try:
-                sched, hasher = build(one, root)
-            except Refused as e:  # what EngineCore would refuse to start with
-                _emit(out, {"refused": str(e)})
-                out.flush()
-                return REFUSED
-            run = Run(one, sched, hasher, Recorder(sched, one["block_size"]), out)
-            run.loop()
-            _emit(out, {"requests": run.requests()})
-    out.flush()
+    for line in sys.stdin:
+        if line.strip():
+            run_one(json.loads(line), out)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()
+    os._exit(code)  # an orderly exit waits seconds on threads vLLM's imports leave running

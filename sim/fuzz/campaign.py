@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from random import Random
-from typing import Any
+from typing import Any, Protocol
 
 from hypothesis import HealthCheck, Phase, Verbosity, event, given, settings, target
 from hypothesis.database import ExampleDatabase
 from hypothesis.errors import FlakyFailure, NoSuchExample
+from hypothesis.strategies import SearchStrategy
 
 from sim.api import RunResult, parse_scenario, run
 from sim.errors import KvsimError
@@ -227,14 +228,15 @@ class _Found(Exception):
 
 
 def find_saved(condition: Callable[[dict[str, Any]], bool], s: settings, seed: int,
-               key: bytes) -> dict[str, Any]:
+               key: bytes, strategy: SearchStrategy | None = None) -> dict[str, Any]:
     """`hypothesis.find` with a seed *and* the example database. `find(random=...)` applies
     `@seed`, which switches the database off, and then nothing is saved or replayed; setting
-    the seed attribute directly keeps both. Raises NoSuchExample when nothing matched."""
+    the seed attribute directly keeps both. `strategy` defaults to `scenario_dicts()`. Raises
+    NoSuchExample when nothing matched."""
     last: list[dict[str, Any]] = []
 
     @s
-    @given(scenario_dicts())
+    @given(strategy if strategy is not None else scenario_dicts())
     def test(v: dict[str, Any]) -> None:
         if condition(v):
             last[:] = [v]  # the final call hypothesis makes is on the shrunk example
@@ -253,7 +255,13 @@ def _num_requests(sc: dict[str, Any]) -> int:
     return len(sc.get("workload", {}).get("requests") or [])
 
 
-def drop_requests(goal: Goal, sc: dict[str, Any], hit: Hit) -> tuple[dict[str, Any], Hit]:
+class Judge(Protocol):
+    """What drop_requests asks of a goal: does this scenario still fail, and how."""
+
+    def hit(self, sc: dict[str, Any]) -> tuple[Hit | None, object]: ...
+
+
+def drop_requests(goal: Judge, sc: dict[str, Any], hit: Hit) -> tuple[dict[str, Any], Hit]:
     """Greedy pass after hypothesis's shrink: remove whole requests while the same invariant
     still fires. Hypothesis shrinks a list from its end and can stall at a local minimum where
     a request in the middle is the one not needed."""

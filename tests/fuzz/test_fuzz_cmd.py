@@ -21,6 +21,7 @@ runner = CliRunner()
     ["--profile", "trtllm-post-17264", "--budget", "0"],
     ["--profile", "trtllm-post-17264", "--workers", "-1"],
     ["--profile", "trtllm-post-17264", "--ignore", "I99"],
+    [],  # neither a profile nor an engine
 ])
 def test_bad_input_exits_2(args: list[str], tmp_path: Path) -> None:
     res = runner.invoke(app, ["fuzz", *args, "--out", str(tmp_path / "o"),
@@ -62,3 +63,21 @@ def test_clean_budget_exits_0(tmp_path: Path) -> None:
                               "--ignore", "POOL", "--ignore", "LIVENESS", "--ignore", "I17"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.output)["finding"] is None
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--profile", "trtllm-post-17264"], "--profile"),
+    (["--workers", "2"], "--workers"),
+    (["--db", "db"], "--db"),
+    (["--baseline", "vllm-v1"], "--baseline"),
+    (["--examples", "0"], "--examples"),
+    (["--budget", "0"], "--budget"),
+])
+def test_engine_vllm_bad_input_exits_2_before_vllm_starts(args: list[str], flag: str,
+                                                         tmp_path: Path) -> None:
+    """Options a vLLM campaign cannot take are refused with one line naming the flag, before
+    any work (no vLLM environment is needed to see it)."""
+    res = runner.invoke(app, ["fuzz", "--engine", "vllm", *args, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    assert res.output.startswith(f"error: {flag}"), res.output
+    assert not (tmp_path / "o").exists()

@@ -69,3 +69,12 @@ def test_gpu_tests_collect_where_triton_and_flashinfer_are_missing():
         "sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', 'tests/gpu']))\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+
+
+def test_the_vllm_driver_imports_only_the_stdlib_vllm_and_torch():
+    """sim/engines/vllm_driver.py runs inside .venv-vllm, where kvsim is not installed: any
+    other import would fail there (and would pull kvsim's pins into vLLM's environment)."""
+    names = imports("sim/engines")["sim/engines/vllm_driver.py"]
+    bad = {n for n in names if n.split(".")[0] not in
+           (*sys.stdlib_module_names, "__future__", "vllm", "torch")}
+    assert not bad, f"sim/engines/vllm_driver.py imports {bad}"

@@ -16,16 +16,16 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
-from vllm_cases import CASES
+from vllm_cases import CASES, _req
 from vllm_workloads import generated
 
 from sim.check import StepChecker
 from sim.cli import app
 from sim.config import load_scenario, parse_scenario
 from sim.engines.record import record
-from sim.engines.vllm import payload, refuse_unsupported, run_driver, vllm_python
+from sim.engines.vllm import VllmSession, payload, refuse_unsupported, vllm_python
 from sim.engines.vllm_trace import Converter
-from sim.errors import KvsimError
+from sim.errors import KvsimError, ScenarioError
 from sim.vllm_engine import VllmRun
 
 HERE = Path(__file__).parent
@@ -53,7 +53,14 @@ def _generated_payloads(n: int) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def real() -> dict[str, tuple[dict, list[dict]]]:
+def session():
+    """One driver process for the module's cases: its start-up is most of their cost."""
+    with VllmSession() as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def real(session) -> dict[str, tuple[dict, list[dict]]]:
     """name -> (payload, the driver's objects: its steps, then its requests report) for every
     payload these tests run on vLLM, in one driver process (its start-up is most of the cost):
     vLLM's test cases, the shipped vLLM scenarios and the generated workloads."""
@@ -61,14 +68,27 @@ def real() -> dict[str, tuple[dict, list[dict]]]:
     for path in (HERE / "small.toml", HERE / "tiny.toml", ROOT / "scenarios" / "vllm.toml"):
         ps[path.name] = _scenario_payload(path)
     ps |= _generated_payloads(GENERATED)
-    out: dict[str, tuple[dict, list[dict]]] = {name: (p, []) for name, p in ps.items()}
-    names = iter(ps)
-    name = next(names)
-    for o in run_driver({"runs": list(ps.values())}):
-        out[name][1].append(o)
-        if "requests" in o:
-            name = next(names, "")
-    return out
+    return {name: (p, list(session.run(p))) for name, p in ps.items()}
+
+
+def test_one_process_runs_many_workloads_each_on_a_fresh_scheduler(session, runs):
+    """A workload run again in the same driver process, after others, gives the same objects:
+    nothing of an earlier run's scheduler, pool or prefix cache carries over."""
+    assert list(session.run(CASES["prefill"])) == runs["prefill"]
+    assert session.proc is not None and session.runs >= len(CASES) + 1
+
+
+def test_a_refused_or_failing_workload_leaves_the_session_usable(session, runs):
+    """vLLM's start-up refusal and an exception inside vLLM end that workload only: the
+    driver answers the next one from the same process."""
+    pid = session.proc.pid
+    with pytest.raises(ScenarioError, match="cache.num_blocks: vLLM does not start"):
+        list(session.run({**CASES["evict"], "startup_check": True, "max_model_len": 8192}))
+    bad = {**CASES["evict"], "requests": [{**_req(0, [1, 2]), "prompt": "not a list"}]}
+    with pytest.raises(KvsimError, match="vLLM raised on"):
+        list(session.run(bad))
+    assert list(session.run(CASES["evict"])) == runs["evict"]
+    assert session.proc.pid == pid
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +282,7 @@ def test_a_pool_vllm_would_not_start_with_is_refused(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.toml"]
 
 
-def test_a_padded_step_cut_by_the_threshold_fails_vllms_assertion(tmp_path):
+def test_a_padded_step_cut_by_the_threshold_fails_vllms_assertion(session, tmp_path):
     """docs/vllm.md: vLLM 0.33.0 asserts when long_prefill_token_threshold cuts a request
     padded to a speculative step. The adapter refuses the threshold (exit 2); on vLLM itself,
     that refusal bypassed, the engine fails the assertion."""
@@ -272,4 +292,4 @@ def test_a_padded_step_cut_by_the_threshold_fails_vllms_assertion(tmp_path):
     assert r.exit_code == 2 and ": scheduler.chunk_size: vLLM 0.33.0 fails an assertion" in r.output
     sc, base = load_scenario(path)
     with pytest.raises(KvsimError, match="assert num_new_tokens == 1 \\+ self.num_spec_tokens"):
-        list(run_driver(payload(sc, base)))
+        list(session.run(payload(sc, base)))

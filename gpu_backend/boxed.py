@@ -1,5 +1,5 @@
-"""A CUDA graph step's results in the loop's device arena (`graphs.StepGraphs.run` with
-`graphs.ARENA`), as the read-back finds them (`readback`).
+"""A CUDA graph step's results in the loop's device arena (`graphs.StepGraphs.run`), as the
+read-back finds them (`readback`).
 
 Why: a tensor of its own for each step's results, and views of it, cost the loop ~20 µs of the
 H200's host a step; a copy by address into an arena none of that (`graphs.run`

@@ -67,8 +67,7 @@ EARLY = 16  # steps per read-back of the verdict data: queued behind them, no wa
 LEAD = 2  # read-backs queued and not yet judged, at most: the host then waits for the oldest.
 # Unbounded, the host ran tens of steps ahead of a device-bound replay and judged their
 # verdicts after the device had finished (the loop alone at 64 x 2k 2.46-2.57x, against
-# 2.32-2.39 bounded, alternated on the H200), and the chunks a preparation worker shipped are
-# judged, and their slots given back, in time
+# 2.32-2.39 bounded, alternated on the H200)
 FLUSH = 256  # steps between waits for every read-back (one host-device sync each)
 SEND_TOKENS = 1 << 16  # query tokens after which the pending steps are read back at once (a
 # long prompt step alone), to be judged as soon as they arrive while the device runs the steps
@@ -79,10 +78,6 @@ BANK = 128  # steps the loop's own preparation may get ahead while the host woul
 # device (`Ahead`; and `ahead.BANK_WORDS` words): a long step's device time (the prompts' step,
 # ~29 ms at batch 64 x kv 2k on the H200) then goes to preparing the steps after it instead of
 # to a sync
-# the replay's freed memory is not handed back to the system at its end (`sim.heap.kept`): the
-# trim took 0.9-1.6 ms of the wall on the H200's host, after the device had finished;
-# the process keeps the memory for its next use
-TRIM = False
 
 
 class KernelFault(Exception):
@@ -103,27 +98,25 @@ class Kernels(Protocol):
 def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float = DEFAULT_TOL,
            skip: dict[int, str] | None = None,
            on_step: Callable[[int, str], None] | None = None,
-           watch: str = "incremental", workers: int | None = None) -> ReplayResult:
+           watch: str = "incremental") -> ReplayResult:
     """Replay every step of `trace`. `skip` maps steps not to run to a fault message (--isolate);
     `on_step(step, "start"|"done")` is called around each step (the child's progress report).
     watch: how page changes are found (`gpu_backend.watch`): "incremental" (the step's target
     pages, the whole pool every few steps; replayed again with "full" if a page changed
-    elsewhere) or "full" (the whole pool every step). The verdicts are the same.
-    workers: processes that prepare the steps beside the loop (`gpu_backend.workers`; 0 or
-    None: the loop's own thread does, the faster way at every length measured)."""
-    n = workers or 0
+    elsewhere) or "full" (the whole pool every step). The verdicts are the same."""
     # with glibc's defaults much of the preparation's arrays is new memory every step, a page
     # fault each 4 KiB: a 64 x 2k prompts' step is prepared in 0.8x the time here (`sim.heap`).
-    # Not trimmed at the end (`TRIM`)
-    with _frozen_heap(), heap.kept(trim=TRIM):
+    # Not trimmed at the end: the trim took the wall 1-2 ms after the device had finished, and
+    # the process keeps the memory for its next use
+    with _frozen_heap(), heap.kept(trim=False):
         if watch == "incremental" and not skip:
             try:
-                return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch, n)
+                return _replay(trace, kernels, device, tol, {}, on_step, IncrementalWatch)
             except Unseen as e:
-                res = _replay(trace, kernels, device, tol, {}, on_step, FullWatch, n)
+                res = _replay(trace, kernels, device, tol, {}, on_step, FullWatch)
                 res.watch = f"full (incremental found {e})"
                 return res
-        return _replay(trace, kernels, device, tol, skip or {}, on_step, FullWatch, n)
+        return _replay(trace, kernels, device, tol, skip or {}, on_step, FullWatch)
 
 
 @contextmanager
@@ -142,7 +135,7 @@ def _frozen_heap() -> Iterator[None]:
 
 def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float,
             skip: dict[int, str], on_step: Callable[[int, str], None] | None,
-            make_watch: Callable[[KVPool, bool], Watch], workers: int) -> ReplayResult:
+            make_watch: Callable[[KVPool, bool], Watch]) -> ReplayResult:
     m = trace.model
     dt = torch_dtype(m.dtype)
     slots, span, last = truth_shape(trace)
@@ -161,26 +154,15 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
         state.graphs = graphs.planner if graphs is not None else None  # the steps after it
         return Rig(pool, watch, graphs)
 
-    if workers:
-        rig()
     res = ReplayResult(kernels.name, str(trace.path), tol)
     # the first step deferred: its content and reference run before the rest is prepared
-    with closing(prepared_steps(trace, state, device, workers, defer=True)) as steps:
-        try:
-            # a worker's chunk may wait for slots the loop frees as it judges: no bank there
-            ahead = Ahead(steps, 0 if workers else BANK)
-            _loop(trace, kernels, truth, rig, ahead, res, skip, on_step)
-        finally:  # what the preparation left to undo once the device is done with it (the
-            # workers' slots registered with CUDA), outside the timed steps
-            for undo in state.cleanup:
-                undo()
+    with closing(prepared_steps(trace, state, device, defer=True)) as steps:
+        ahead = Ahead(steps, BANK)
+        _loop(trace, kernels, truth, rig, ahead, res, skip, on_step)
     r = rig()
     res.watch = r.watch.name
     res.prepare_s, res.prepare_step_s = state.seconds, state.step_seconds
-    res.stats["prepare_workers"] = workers
     res.stats["prepared_ahead"] = ahead.pulled
-    res.stats["prepare_start_s"] = state.start_seconds
-    res.stats["prepare_timing_s"] = state.timing
     stats = getattr(kernels, "stats", None)
     if callable(stats):
         res.stats |= stats()
@@ -194,8 +176,7 @@ class Rig:
     """The pool, the watch over its pages and the CUDA graphs (None: eager). With the loop's
     own preparation it is made once the first step's content and reference are queued: nothing
     before them reads it, so its host time leaves the serial start and its device work (the
-    pool's poison, the watch's first sums) runs beside the reference. With workers it is made
-    before they start (they lay out their steps for the graphs)."""
+    pool's poison, the watch's first sums) runs beside the reference."""
     pool: KVPool
     watch: Watch
     graphs: StepGraphs | None
@@ -206,7 +187,7 @@ def _reference_beside(kernels: Kernels, device: torch.device | str) -> bool:
     kernels are timed launch by launch, whose events would then time the reference's share of
     the device too."""
     timed = getattr(kernels, "timing", False) or getattr(kernels, "attn_timing", False)
-    return oracle.BESIDE and torch.device(device).type == "cuda" and not timed
+    return torch.device(device).type == "cuda" and not timed
 
 
 def _loop(trace: TraceData, kernels: Kernels, truth: TruthStore, rig: Callable[[], Rig],
@@ -286,7 +267,7 @@ def _graph_step(graphs: StepGraphs, r: Rig, p: Prepared, nxt: Prepared | None
             return None
         assert isinstance(watch, IncrementalWatch)
         watch.after_graph(p, nxt is None)
-        if isinstance(got, Boxed):  # its results in the loop's arena (`graphs.ARENA`)
+        if isinstance(got, Boxed):  # its results in the loop's arena
             return Pending(p, got, got)
         tok, moved = got
         assert moved is not None

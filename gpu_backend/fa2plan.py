@@ -229,11 +229,6 @@ def _fill(kv_indptr: np.ndarray, B: int, W: int, tiles: int, max_batch: int, pad
     return True
 
 
-def warm() -> None:
-    """Compile (or load from numba's cache) the planner's pass now."""
-    if not _fill.signatures:
-        image(layout(Planner(H200, 1, 1, 64, 16, 2), 1, 1), np.zeros(2, dtype=np.int32))
-
 
 def agrees(lay: Layout, info: list[int], theirs: np.ndarray, kv_indptr: np.ndarray) -> bool:
     """This port's plan for page offsets `kv_indptr` is FlashInfer's: its plan info `info`

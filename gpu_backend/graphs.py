@@ -66,10 +66,8 @@ _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("params", "gr_params", "i"), ("touched", "gr_touched", "i"),
            ("wpages", "gr_wpages", "i"), ("prows", "gr_prows", "i"),
            ("plan", "gr_plan", "w"), ("kv_indices", "kv_indices", "w"))
-# a graph step's results copied into the loop's arena (`Boxed`: one copy a step, no tensor
-# made for them; a read-back copies the arena's span home at once), else into a tensor of their
-# own, viewed as token errors and moved flags (for pairs)
-ARENA = True
+# a graph step's results are copied into the loop's arena (`Boxed`: one copy a step, no tensor
+# made for them; a read-back copies the arena's span home at once)
 ARENA_STEPS = 24  # steps' results an arena holds (a read-back takes `driver.EARLY`)
 
 # gr_params: the counts and step numbers the graph's page checks read on the device
@@ -192,7 +190,7 @@ class StepGraphs:
         # of a step's host on the H200)
         self.stream = torch.cuda.current_stream()
         self.replays = self.captures = self.fallbacks = 0
-        self.arena = Arena(ARENA_STEPS)  # where graph steps' results go (`ARENA`)
+        self.arena = Arena(ARENA_STEPS)  # where graph steps' results go
 
     def stats(self) -> dict[str, int]:
         return {"graphs": len(self.entries), "graph_replays": self.replays,
@@ -203,8 +201,8 @@ class StepGraphs:
         """Run step p: its results, or None: run it eagerly, events and all (its plan does not
         fit its graph). The results: per-token errors [2, nnz_q] fp32 as
         `oracle.token_errors`, then its targets' moved flags [len(p.wpages)] bool with the
-        incremental watch, in the loop's arena (`ARENA`, with the incremental watch) or as
-        (errors, flags or None)."""
+        incremental watch, in the loop's arena (with the incremental watch) or as (errors,
+        None)."""
         key: Key = p.graph
         if key in self.mismatched:
             self.fallbacks += 1
@@ -237,7 +235,7 @@ class StepGraphs:
         # step on the H200's host
         n = p.b.num_tokens  # the layout of `_out`
         w = len(p.wpages) if self.checks else 0
-        if ARENA and self.checks:
+        if self.checks:
             return self.arena.put(e.out, 8 * n + w, n, w, self.stream)
         both = rawcopy.into(torch.empty(8 * n + w, dtype=torch.uint8, device=e.out.device),
                             e.out, 0, self.stream)

@@ -35,14 +35,3 @@ def pool() -> ThreadPoolExecutor:
     return _POOL[1]
 
 
-def _stop() -> None:
-    """Before a fork (the preparation workers', `gpu_backend.forks`): the idle threads end, so
-    the process forks with one thread (a fork beside live threads may copy a lock one of them
-    holds, and Python 3.12 warns of it). The next long step starts them again."""
-    global _POOL
-    if _POOL is not None and _POOL[0] == os.getpid():
-        _POOL[1].shutdown(wait=True)
-    _POOL = None
-
-
-os.register_at_fork(before=_stop)

@@ -18,7 +18,6 @@ import numpy as np
 from gpu_backend.stepbatch import (  # noqa: F401  (re-exported: the batch is the layout's)
     _FIELDS,
     I32,
-    PREP_ONLY,
     Columns,
     StepBatch,
     assemble,
@@ -266,8 +265,7 @@ def kernel_arrays(b: StepBatch) -> dict[str, np.ndarray]:
     if b.backend == "xqa":
         seq.append(("xqa_seq_lens", b.xqa_indptr, b.xqa_last_page_len))
     for name, indptr, last in seq:  # FlashInfer's get_seq_lens
-        out[name] = prepk.seq_lens(indptr, last, b.page_size) if prepk.ENABLED else \
-            np.maximum(np.diff(indptr) - 1, 0) * b.page_size + last
+        out[name] = prepk.seq_lens(indptr, last, b.page_size)
     return out
 
 

@@ -30,18 +30,6 @@ VERDICTS = ("ok", "mismatch", "nan", "corrupt", "fault")
 # A wrong RoPE position or a foreign page moves the output by > 5e-2. 2e-2 leaves ~4x margin
 # both ways.
 DEFAULT_TOL = 2e-2
-FUSED = True  # the reference through gpu_backend.refattn (one Triton launch) where it runs
-# the reference on a stream of its own beside the kernels (`TruthStore.side`, `beside`): the
-# GPU then runs it while the append and attention run. On the H200 a generation step's graph
-# takes 0.96-0.98x the time; a prompts' step does not move (its reference and prefill
-# each fill the device). False: in order on the replay's stream
-BESIDE = True
-# a step's context rows in one reference launch where the fused kernel runs, not one a row
-# (`refgroups.ref_groups(together=)`, `refattn.attend_rows`); False: one a row
-TOGETHER = True
-# the kernels' out= buffer NaN whole, not one element a head vector
-# (`unwritten`): for pairs (`bench/gpu_pair.py --set oracle.WHOLE_NAN=True`)
-WHOLE_NAN = False
 
 
 @functools.lru_cache(maxsize=1)
@@ -186,9 +174,9 @@ def join(side: torch.cuda.Stream | None) -> None:
 
 
 def together(device: torch.device | str) -> bool:
-    """Whether a step's context rows share one reference launch (`TOGETHER`): only
-    `refattn.attend_rows` takes such a group, on CUDA."""
-    return TOGETHER and FUSED and torch.device(device).type == "cuda" and _refattn() is not None
+    """Whether a step's context rows share one reference launch: only `refattn.attend_rows`
+    takes such a group, on CUDA."""
+    return torch.device(device).type == "cuda" and _refattn() is not None
 
 
 def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
@@ -198,7 +186,7 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
     `attend` over the group's truth K/V. out: where the launches write it, if given (fp32
     [nnz_q, Hq, D]; the torch path may return another tensor)."""
     n, Hq, D = q.shape
-    fused = _refattn() if FUSED and q.is_cuda else None
+    fused = _refattn() if q.is_cuda else None
     if fused is not None and not fused.supported(q, truth.kv):
         fused = None
     for g in groups:
@@ -262,8 +250,6 @@ def unwritten(q: torch.Tensor) -> torch.Tensor:
     64 x 2k prompts' step that fill wrote 1.07 GB on the device before the kernels could start
     (0.74 ms of bf16 fills, the pool's poison with it); this one sets one
     element in D."""
-    if WHOLE_NAN:
-        return torch.full_like(q, float("nan"))
     out = torch.empty_like(q)
     out.select(-1, 0).fill_(float("nan"))
     return out
@@ -272,7 +258,7 @@ def unwritten(q: torch.Tensor) -> torch.Tensor:
 def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """[2, nnz_q] fp32 on the device: max |out - ref| per token (NaN where either holds a NaN),
     and max ref per token (NaN where the reference does)."""
-    fused = _refattn() if FUSED and out.is_cuda else None
+    fused = _refattn() if out.is_cuda else None
     if fused is not None:  # one launch instead of six
         return fused.token_errors(out, ref)
     err = (out - ref).abs_().flatten(1).amax(1)
@@ -283,11 +269,9 @@ def judge(batches: list[StepBatch], tok: np.ndarray, tol: float
           ) -> tuple[np.ndarray, np.ndarray]:
     """Per-row codes (OK, MISMATCH or NAN) and max |out - ref| over NaN-free tokens of several
     steps' rows end to end, in one pass over their tokens (tok [2, sum of nnz_q], the steps'
-    `token_errors` end to end): one compiled call (`judgek`), else `judge_numpy`."""
-    from gpu_backend import judgek, prepk
+    `token_errors` end to end): one compiled call (`judgek`; `judge_numpy` is its definition)."""
+    from gpu_backend import judgek
 
-    if not prepk.ENABLED:
-        return judge_numpy(batches, tok, tol)
     qo = np.concatenate([b.qo_indptr for b in batches]).astype(np.int64, copy=False) \
         if batches else np.zeros(0, np.int64)
     rows = np.fromiter((len(b.qo_indptr) - 1 for b in batches), np.int64, len(batches))

@@ -126,9 +126,9 @@ def _block_coeffs(kv_heads: int, q_heads: int, dim: int, device: str) -> tuple[t
 
 
 def _fused() -> Any:
-    from gpu_backend.oracle import FUSED, _refattn
+    from gpu_backend.oracle import _refattn
 
-    return _refattn() if FUSED else None
+    return _refattn()
 
 
 def mod_m(x: np.ndarray) -> np.ndarray:

@@ -11,16 +11,12 @@ import numpy as np
 
 from gpu_backend import eventsk, prepk
 from gpu_backend.events import InFlight, PoolOp, event_ops, fresh_pool
-from gpu_backend.intsets import unique
 from gpu_backend.stepbatch import StepBatch
 from sim.trace.records import StepRecord
 
 if TYPE_CHECKING:
     from gpu_backend.prepare import HostState
 
-# the usual generation step's block events in one compiled pass (`eventsk`); False:
-# `event_ops` and `join_rewind` (its oracle)
-EVENTSK = True
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -28,7 +24,7 @@ def step_ops(st: HostState, s: StepRecord, flight: InFlight, arrays: dict[str, n
             ) -> tuple[list[PoolOp], np.ndarray]:
     """The pool operations before step s's kernels and the pages they touch (`join_rewind`):
     the usual generation step's in one compiled pass (`eventsk`), else `event_ops`'."""
-    if EVENTSK and prepk.ENABLED and st.prev_step >= 0 and not flight.double_free:
+    if st.prev_step >= 0 and not flight.double_free:
         got = eventsk.pool_ops(st.trace, s.step, st.guard, flight.before_step.get(s.step, []),
                                st.shared, st.rewind, arrays)
         if got is not None:
@@ -43,12 +39,7 @@ def rewind(st: HostState, b: StepBatch) -> None:
     """The step's rejected-draft slots as pool rows, for the next step's `join_rewind`."""
     st.rewind = None
     if b.reject_page.size:
-        pz = st.trace.model.page_size
-        if prepk.ENABLED:
-            st.rewind = prepk.rewind(b.reject_page, b.reject_slot, pz)
-            return
-        base = b.reject_page.astype(np.int64) * 2 * pz + b.reject_slot
-        st.rewind = (np.concatenate([base, base + pz]), unique(b.reject_page))
+        st.rewind = prepk.rewind(b.reject_page, b.reject_slot, st.trace.model.page_size)
 
 
 def join_rewind(st: HostState, ops: list[PoolOp], touched: np.ndarray,
@@ -61,19 +52,14 @@ def join_rewind(st: HostState, ops: list[PoolOp], touched: np.ndarray,
     rows, rew = 2 * st.trace.model.page_size, st.rewind
     for i, (kind, a, _, _) in enumerate(ops):
         if kind == "nan":
-            pages = arrays[f"ev{a}"]
-            if prepk.ENABLED:  # the rewind's rows first in the first run, in the same pass
-                lead = rew[0] if rew is not None and i == 0 else _NONE
-                arrays[f"ev{a}"] = prepk.pool_rows(pages, rows, lead)
-            else:
-                arrays[f"ev{a}"] = (pages[:, None] * rows + np.arange(rows)).ravel()
+            # the rewind's rows first in the first run, in the same pass
+            lead = rew[0] if rew is not None and i == 0 else _NONE
+            arrays[f"ev{a}"] = prepk.pool_rows(arrays[f"ev{a}"], rows, lead)
     if rew is None:
         return ops, touched
     rej_rows, rej_pages = rew
     touched = np.concatenate([touched, rej_pages])
-    if ops and ops[0][0] == "nan":
-        if not prepk.ENABLED:
-            arrays[f"ev{ops[0][1]}"] = np.concatenate([rej_rows, arrays[f"ev{ops[0][1]}"]])
+    if ops and ops[0][0] == "nan":  # the rewind's rows lead its first run (`prepk.pool_rows`)
         return ops, touched
     arrays["ev-1"] = rej_rows
     return [("nan", -1, 0, 0), *ops], touched

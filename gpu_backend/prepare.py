@@ -24,7 +24,7 @@ import torch
 
 from gpu_backend import blockpack, graphs, poolops, steadystep, truthprep
 from gpu_backend.chunks import ramp, words_ahead
-from gpu_backend.events import InFlight, PoolOp, event_ops, in_flight_poison
+from gpu_backend.events import InFlight, PoolOp, in_flight_poison
 from gpu_backend.fa2plan import Planner
 from gpu_backend.graphs import Key as GraphKey
 from gpu_backend.layout import Columns, StepBatch, build_step, kernel_arrays, run_arrays
@@ -42,10 +42,6 @@ CHUNK_WORDS = 1 << 22  # int64 words per upload (32 MiB pinned): bounds host mem
 # measured so far) that only hides the device's share: a wash end to end on the H200;
 # it pays once preparation is faster than the device
 CHUNK_STEPS = 8
-# a steady MTP step's layout and graph block in one compiled call (`steadystep`, `blockpack`);
-# False: `build_step`, `_first`, `_advance` and `_rest`, numpy and one `Chunk.add` an array
-# (the call's oracle)
-PACK = True
 
 
 @dataclass
@@ -101,26 +97,16 @@ class HostState:
     prev_step: int = -1  # the step prepared last
     # a step's context rows in one reference group (`refgroups.ref_groups`, `oracle.together`)
     together: bool = False
-    start_seconds: float = 0.0  # of `seconds`: starting the preparation workers, if any
-    # with workers: seconds by where they went (the loop's receiving, all workers' own time)
-    timing: dict[str, float] = field(default_factory=dict)
-    cleanup: list[Callable[[], None]] = field(default_factory=list)  # after the loop (`driver`)
 
 
 def prepared_steps(trace: TraceData, state: HostState, device: torch.device | str,
-                   workers: int = 0, defer: bool = False) -> Generator[Prepared, None, None]:
+                   defer: bool = False) -> Generator[Prepared, None, None]:
     """The trace's steps with rows, prepared and staged a chunk at a time, one chunk ahead: once
     a chunk is staged, every step handed out follows the preparation of one step of the next
     chunk; the first chunks are small (`ramp`). The host's preparation is spread between the
-    steps the device runs, instead of stalling it a whole chunk at a time. workers > 0:
-    prepared by that many worker processes (`gpu_backend.workers`), the same steps.
+    steps the device runs, instead of stalling it a whole chunk at a time.
     defer: the first step only as far as its content and reference need (`complete` stages the
     rest): the replay loop's, which queues those before completing it."""
-    if workers > 0:
-        from gpu_backend.workers import worker_steps
-
-        yield from worker_steps(trace, state, device, workers)
-        return
     flight = in_flight_poison(trace)
     chunk, batch = Chunk(device), []
     ready: deque[Prepared] = deque()
@@ -167,7 +153,7 @@ def prepare_step(st: HostState, s: StepRecord, rows: list[RowRecord], flight: In
     ops, touched = poolops.step_ops(st, s, flight, arrays)
     first: dict[str, np.ndarray] = {}  # what the content and the reference read
     cols = st.trace.columns.get(s.step)
-    if not defer and st.graphs is not None and PACK and \
+    if not defer and st.graphs is not None and \
             steadystep.may(s, cols, s.step in st.trace.checked):
         assert cols is not None
         slots, fill = truthprep.admit_rows(st, cols["request"], cols["committed"], first)
@@ -336,21 +322,3 @@ def _steady(st: HostState, s: StepRecord, rows: list[RowRecord], cols: Columns,
     return Prepared(s, rows, b, dv, ops, len(touched) > 0, False, False, True, True, [group],
                     wpages, wcheck, wok, key)
 
-
-def advance(st: HostState, s: StepRecord, rows: list[RowRecord], flight: InFlight,
-            rewind: bool) -> None:
-    """Move the host state past step s without preparing it (`gpu_backend.workers`: a worker
-    walks the other workers' steps this way): the shared blocks, the truth slots, the step
-    order. rewind: also the step's rejected drafts, which the next step's pool operations need
-    (only when this worker prepares the next step: it builds the step's batch)."""
-    event_ops(st.trace, s.step, st.guard, None, flight, {}, st.shared)
-    requests = [r.request for r in rows]
-    truthprep.take_slots(st, requests, [r.committed for r in rows])
-    st.prev_step = s.step
-    st.rewind = None
-    # only a gen row's appends past its accepted tokens are rejected drafts (`flatten`): a step
-    # without one needs no batch. The prompts' step, which worker 0 walks before its first
-    # chunk: 5.2 -> 1.4 ms at 64 x 2k on a development machine (replay_host's first_walk_us)
-    if rewind and any(r.phase == "gen" and len(r.append_pos) > r.new_tokens for r in rows):
-        poolops.rewind(st, _batch(st, s, rows))
-    truthprep.release(st, s.step, requests)

@@ -19,9 +19,6 @@ drop_stale(__file__)  # before the kernels below load anything from numba's cach
 
 import numba as nb  # noqa: E402
 
-# False: the numpy each pass replaced, which stays beside its caller (the oracle), and the
-# Python that `truthprep.admit` and `release` skip on a steady step
-ENABLED = True
 # `targets` sorts with numba's quicksort, ~5x slower than numpy's vectorized sort: a prompts'
 # step's 131k appends (64 x 2k) took 3.1 ms that way against 1.3 in numpy; `content`'s loop
 # loses to numpy's vectorized passes there too. They take the steps of at most this many
@@ -31,7 +28,7 @@ SMALL = 4096
 
 def takes(n: int) -> bool:
     """Whether a pass takes a step of n appends (else its numpy does)."""
-    return ENABLED and n <= SMALL
+    return n <= SMALL
 
 
 @nb.njit(cache=True)
@@ -277,19 +274,3 @@ def row_positions(tokens: np.ndarray, rope_pos: np.ndarray, q_len: np.ndarray,
         if ql:
             top = max(top, c + ql - 1)
     return top if t == len(tokens) else -1
-
-
-def warm() -> None:
-    """Compile (or load from numba's cache) the passes now: before `gpu_backend.workers` forks,
-    so that each worker does not."""
-    if targets.signatures:
-        return
-    z, z32 = np.zeros(1, np.int64), np.zeros(2, np.int32)
-    targets(z, 1, z, True, z32, np.ones(1, np.bool_))
-    identity_group(z, z, 1)
-    seq_lens(z32, z32[:1], 1)
-    rewind(z, z, 1)
-    content(z, z, z, z, 3)
-    token_rows(z, z)
-    row_positions(z, z, z, z, 3)
-    runs(z)

@@ -51,11 +51,5 @@ def token_rows(b: StepBatch) -> StepBatch:
     """`prompts_batch(per_token=False)`'s batch with each token's row and true position."""
     from gpu_backend import prepk  # numba: loaded where a replay prepares, as `flatten`
 
-    if prepk.ENABLED:
-        row, true_pos = prepk.token_rows(b.q_len, b.committed)
-    else:  # the oracle: committed + j is each row's start less its first token, plus the token
-        qo = b.qo_indptr
-        row = np.repeat(np.arange(b.num_rows, dtype=I32), b.q_len)
-        true_pos = np.arange(int(qo[-1]), dtype=np.int64) + \
-            np.repeat(b.committed - qo[:-1], b.q_len)
+    row, true_pos = prepk.token_rows(b.q_len, b.committed)
     return replace(b, row_of_token=row, app_row=row, true_pos=true_pos)

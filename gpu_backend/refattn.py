@@ -168,7 +168,7 @@ def attend(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, limit: torch.
            q.stride(1), q.stride(2), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
            out.stride(0), out.stride(1), out.stride(2), limit.stride(0), W, g, L, hkv,
            1.0 / math.sqrt(D), D=D, BLOCK_M=bm, BLOCK_N=bn, RAGGED=False,
-           LEAN=LEAN and g * W > ONE_TILE)
+           LEAN=g * W > ONE_TILE)
     return out
 
 
@@ -195,7 +195,7 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
     launch((triton.cdiv(g * W, bm) * hkv, R), q, kv, slots, rows, out, 0, q.stride(0),
            q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3), 0,
            out.stride(0), out.stride(1), rows.stride(0), W, g, L, hkv, 1.0 / math.sqrt(D), D=D,
-           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, LEAN=LEAN and g * W > ONE_TILE)
+           BLOCK_M=bm, BLOCK_N=bn, RAGGED=True, LEAN=g * W > ONE_TILE)
     return out
 
 
@@ -207,9 +207,6 @@ def attend_rows(q: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, rows: to
 STEP_LAUNCH = (64, 4, 2)
 ROWS_LAUNCH = (64, 4, 3)
 ONE_TILE = 64
-# the others' launches lean (`_attend_kernel`): False: every block masked, for pairs
-# (`bench/gpu_pair.py --set refattn.LEAN=False`)
-LEAN = True
 
 
 def _launch(queries: int) -> tuple[int, Launcher]:

@@ -139,14 +139,7 @@ def _identity_group(b: StepBatch, slots: np.ndarray, arrays: dict[str, np.ndarra
     """`ref_groups` of a step of gen rows all W wide (the steady MTP step) without its general
     index arithmetic: the group is the step in token order, token (r, j) at r * W + j."""
     R, W = b.num_rows, int(b.q_len[0])
-    if prepk.ENABLED:
-        lim, consecutive, top, low = prepk.identity_group(b.committed, slots, W)
-        arrays |= {"g0_limit": lim, "g0_slots": slots}
-        return RefGroup("g0_", R, W, int(top), int(slots[0]) if consecutive else -1, int(low),
-                        True, (0, R * W))
-    j = np.arange(W)
-    limit = b.committed[:, None] + j[None, :]
-    consecutive = R == 1 or bool((np.diff(slots) == 1).all())
-    arrays |= {"g0_limit": limit, "g0_slots": slots}
-    return RefGroup("g0_", R, W, int(b.committed.max()) + W, int(slots[0]) if consecutive else -1,
-                    int(limit.min()) + 1, True, (0, R * W))
+    lim, consecutive, top, low = prepk.identity_group(b.committed, slots, W)
+    arrays |= {"g0_limit": lim, "g0_slots": slots}
+    return RefGroup("g0_", R, W, int(top), int(slots[0]) if consecutive else -1, int(low),
+                    True, (0, R * W))

@@ -43,12 +43,10 @@ def make_kernels(backend: str, trace: TraceData, timing: bool = False,
 
 def run_replay(trace_dir: str | Path, backend: str, tol: float,
                skip: dict[int, str] | None = None, on_step: Any = None,
-               watch: str = "incremental", graphs: bool = True,
-               workers: int | None = None) -> ReplayResult:
+               watch: str = "incremental", graphs: bool = True) -> ReplayResult:
     trace = load_trace(trace_dir)
     kernels, device = make_kernels(backend, trace, graphs=graphs)
-    return replay(trace, kernels, device, tol, skip=skip, on_step=on_step, watch=watch,
-                  workers=workers)
+    return replay(trace, kernels, device, tol, skip=skip, on_step=on_step, watch=watch)
 
 
 def to_json(res: ReplayResult) -> dict[str, Any]:

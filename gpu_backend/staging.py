@@ -12,10 +12,7 @@ before reusing them.
 
 from __future__ import annotations
 
-import os
-import struct
 from collections.abc import Callable, Iterator, Mapping
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -117,26 +114,11 @@ class Chunk:
         self.load(h64)
 
     def words(self) -> np.ndarray:
-        """The staged arrays as the one int64 buffer `upload` would copy (a worker process
-        ships it: `gpu_backend.workers`)."""
+        """The staged arrays as the one int64 buffer `upload` would copy (a copy)."""
         if self.host is not None and self.n:
             return self.host[: self.n].copy()
         return np.concatenate(self.parts, dtype=np.int64, casting="safe") if self.parts else \
             np.zeros(1, dtype=np.int64)
-
-    def read(self, fd: int, n: int) -> torch.Tensor:
-        """n words read from the pipe `fd` (`words` written by a worker) straight into a pinned
-        buffer, for `load`: no framing, no intermediate copy (multiprocessing's
-        `recv_bytes_into` reads through a BytesIO, ~4 ms a MB on a development machine)."""
-        h64 = self.pinned(n)
-        view = h64.numpy().data.cast("B")
-        got = 0
-        while got < len(view):
-            k = os.readv(fd, [view[got:]])
-            if not k:
-                raise EOFError(f"a chunk of {n} words ended after {got} bytes")
-            got += k
-        return h64
 
     def pinned(self, n: int) -> torch.Tensor:
         """n int64 words on the host, pinned when they go to a CUDA device."""
@@ -302,53 +284,6 @@ class FromRows(StepArrays):
 
     def __len__(self) -> int:
         return len(self.slots) - len(self.SOURCES) + len(self.MADE)
-
-
-class PackedSlots(Mapping[str, Slot]):
-    """A step's slots as a worker ships them (`gpu_backend.workers`): the names, one bytes
-    object of (length, offset) pairs for the 1-D arrays (nearly all) and the others' slots as
-    they are. A slot is decoded when its array is first viewed: the loop views a handful of a
-    step's ~35 arrays, and unpickling ~35 nested tuples a step cost it ~5 µs."""
-
-    __slots__ = ("names", "table", "other", "_at")
-    _PAIR = struct.Struct("<qq")
-
-    def __init__(self, slots: Mapping[str, Slot]):
-        self.names = tuple(slots)
-        self.other = {k: v for k, v in slots.items() if v[1] != (1,) or len(v[0]) != 1}
-        self.table = b"".join(self._PAIR.pack(*((v[0][0], v[2]) if k not in self.other else
-                                                (-1, 0))) for k, v in slots.items())
-        self._at: dict[str, int] | None = None
-
-    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        return _packed, (self.names, self.table, self.other)
-
-    def __getitem__(self, key: str) -> Slot:
-        v = self.other.get(key)
-        if v is not None:
-            return v
-        if self._at is None:
-            self._at = _positions(self.names)
-        n, off = self._PAIR.unpack_from(self.table, 16 * self._at[key])
-        return (n,), (1,), off
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names)
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-def _packed(names: tuple[str, ...], table: bytes, other: dict[str, Slot]) -> PackedSlots:
-    s = PackedSlots.__new__(PackedSlots)
-    s.names, s.table, s.other, s._at = names, table, other, None
-    return s
-
-
-@lru_cache(maxsize=64)
-def _positions(names: tuple[str, ...]) -> dict[str, int]:
-    """name -> row of a step's slot table (steps of one replay share a few layouts)."""
-    return {k: i for i, k in enumerate(names)}
 
 
 # dtypes whose values int64 holds exactly: the chunk's concatenation widens them ("safe")

@@ -1,10 +1,9 @@
 """One step's flat kernel inputs and truth (`StepBatch`), as `layout.build_step` and
-`steadystep` make it (`assemble`) and a preparation worker ships it (`_pack`, `_unpack`)."""
+`steadystep` make it (`assemble`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-from typing import Any
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -57,19 +56,6 @@ class StepBatch:
     # `launch_runs`, built with the step (the replay asks for it every step: host time)
     runs: tuple[tuple[int, int, str], ...] = ()
 
-    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
-        # a worker ships each step's batch to the replay loop (`gpu_backend.workers`): its ~30
-        # arrays in one buffer unpickle in ~15 µs, one by one in ~45 (a development machine)
-        return _unpack, _pack(self)
-
-    def shipped(self) -> StepBatch:
-        """The batch as a worker ships it to the loop: the fields only the preparation reads
-        (PREP_ONLY) are None, so a loop that read one would fail at once. Unpickling it costs
-        the loop ~half (9.8 against 17.8 µs a step at 64 x 2k on a development machine; most of
-        the bytes are kv_indices, which the loop reads from the device)."""
-        gone: dict[str, Any] = dict.fromkeys(PREP_ONLY)
-        return replace(self, **gone)
-
     @property
     def num_rows(self) -> int:
         return int(self.q_len.shape[0])
@@ -77,47 +63,6 @@ class StepBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
-
-
-# StepBatch fields the replay loop never reads (driver, oracle, graphs.run, replay, reference,
-# launch_runs and stale_plan read the others): prepare's inputs, staged for the device
-PREP_ONLY = ("requests", "kv_indices", "kv_len", "block_table", "app_tokens", "app_rope",
-             "rope_pos", "append_pos", "true_pos", "committed", "new_tokens", "reject_page",
-             "reject_slot", "xqa_indptr", "xqa_indices", "xqa_last_page_len")
-
-
-def _pack(b: StepBatch) -> tuple[bytearray, list[object], list[tuple[int, str, int, int]],
-                                  dict[int, tuple[int, ...]]]:
-    """(every array field's bytes end to end, the other fields' values (None where an array
-    goes), each array's (field, dtype, count, byte offset), the shapes of those not 1-D)."""
-    parts: list[bytes] = []
-    at = 0
-    values: list[object] = []
-    specs: list[tuple[int, str, int, int]] = []
-    shapes: dict[int, tuple[int, ...]] = {}
-    for i, name in enumerate(_FIELDS):  # by field, as `_unpack` puts them back
-        v = getattr(b, name)
-        values.append(None if isinstance(v, np.ndarray) else v)
-        if isinstance(v, np.ndarray):
-            data = np.ascontiguousarray(v).tobytes()
-            specs.append((i, v.dtype.str, v.size, at))
-            if v.ndim != 1:
-                shapes[i] = v.shape
-            parts.append(data + bytes(-len(data) % 8))  # each array 8-byte aligned
-            at += len(parts[-1])
-    return bytearray(b"".join(parts)), values, specs, shapes
-
-
-def _unpack(buf: bytearray, values: list[object], specs: list[tuple[int, str, int, int]],
-            shapes: dict[int, tuple[int, ...]]) -> StepBatch:
-    """The batch `_pack` packed; its arrays are writable views of one buffer. Made without the
-    frozen dataclass's __init__ (a setattr a field: 4 of the 12 µs a batch took the loop)."""
-    for i, dtype, n, at in specs:
-        a = np.frombuffer(buf, dtype, n, at)
-        values[i] = a.reshape(shapes[i]) if i in shapes else a
-    b = object.__new__(StepBatch)
-    b.__dict__.update(zip(_FIELDS, values, strict=True))
-    return b
 
 
 _FIELDS = tuple(f.name for f in fields(StepBatch))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from gpu_backend import prepk
-from gpu_backend.intsets import ascending, member, runs, unique
+from gpu_backend.intsets import ascending, member, unique
 from gpu_backend.layout import StepBatch
 
 _NONE = np.zeros(0, dtype=np.int64)
@@ -37,7 +37,7 @@ def _numpy_targets(b: StepBatch, pages: int, touched: np.ndarray | None) -> tupl
     first; how many of the latter). touched: the pages the events touched, sorted, distinct."""
     ew, long = b.engine_write, len(b.engine_write) > 4096
     if long:  # a page's appends come in runs: ~16x fewer values to mask (131k -> 8k)
-        ew = prepk.runs(ew) if prepk.ENABLED else runs(ew)
+        ew = prepk.runs(ew)
     w = unique(ew[(ew >= 0) & (ew < pages)], collapse=not long)
     if touched is None:
         return w, len(w)

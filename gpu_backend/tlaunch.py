@@ -8,8 +8,7 @@ launches several Triton kernels.
 `Launcher` keeps, per specialization, the compiled kernel that the first ordinary launch returns,
 and later launches call its launcher directly. The key holds every property Triton specializes
 on (tensor dtype and 16-byte alignment; int == 1, int % 16 == 0, int width; the current device),
-so two launches with one key run the same compiled code Triton would pick. `DIRECT = False`
-sends every launch through Triton's own path (tests compare the two).
+so two launches with one key run the same compiled code Triton would pick.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from typing import Any
 
 import torch
 
-DIRECT = True
 _T = torch.Tensor
 
 
@@ -55,7 +53,7 @@ class Launcher:
         self.cache: dict[Any, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], *args: Any, **const: Any) -> None:
-        if not (DIRECT and self.direct):
+        if not self.direct:
             self.fn[grid](*args, **const, **self.options)
             return
         dev = torch.cuda.current_device()

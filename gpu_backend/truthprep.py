@@ -54,11 +54,6 @@ def truth_shape(trace: TraceData) -> tuple[int, int, dict[int, int]]:
 def release(st: HostState, step: int, requests: list[int] | np.ndarray) -> None:
     """A request's slot is free for the next step's admissions after its last step (in row
     order: the order of the free list decides later admissions)."""
-    if not prepk.ENABLED:  # the oracle
-        for req in _ints(requests):
-            if st.last.get(req) == step and req in st.slot:
-                st.free.append(st.slot.pop(req))
-        return
     if st.ends is None:  # the steps where requests end: most steps end none (~6 µs a step
         # at batch 64 to find that by asking each row)
         st.ends = {}
@@ -89,7 +84,7 @@ def admit_rows(st: HostState, req: np.ndarray, committed: np.ndarray,
     # same dtype and bytes: the same values): ~0.5 against np.array_equal's 3.9 µs at batch 64
     # on a development machine
     held = req.dtype.str.encode() + req.tobytes()
-    if prepk.ENABLED and st.held is not None and held == st.held[0]:
+    if st.held is not None and held == st.held[0]:
         return st.held[1], False
     fs: list[np.ndarray] = []
     ft: list[np.ndarray] = []
@@ -137,8 +132,6 @@ def row_content(st: HostState, b: StepBatch, slots: np.ndarray,
     took most of the host's time before a 64 x 2k prompts' step's first launch. Returns
     whether it did; if not, nothing is added. b: `promptbatch.prompts_batch`'s (its appends are its
     queries), per token or not."""
-    if not prepk.ENABLED:  # the per-token arrays are the oracle
-        return False
     top = prepk.row_positions(b.tokens, b.rope_pos, b.q_len, b.committed, M)
     if top < 0 or (st.rope_rows is not None and top >= st.rope_rows):
         return False
@@ -155,7 +148,7 @@ def content_arrays(st: HostState, b: StepBatch, arrays: dict[str, np.ndarray]
     # threads; else in numpy, whose vectorized min and max beat the compiled loop (1.3 against
     # ~0.3 ms at a 64 x 2k prompts' step's 131k tokens)
     n = b.num_tokens
-    split = prepk.ENABLED and hostpool.parts(n) > 1
+    split = hostpool.parts(n) > 1
     if len(b.app_tokens) == n and (prepk.takes(n) or split):
         tok_m, pos_m, top, same = (prepk.content_split if split else prepk.content)(
             b.app_tokens, b.app_rope, b.rope_pos, b.true_pos, M)

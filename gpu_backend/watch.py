@@ -31,9 +31,6 @@ from gpu_backend.pool import KVPool
 from gpu_backend.prepare import Prepared
 
 EVERY = 16  # steps between IncrementalWatch's whole-pool checks
-# a fresh pool's first look known without a read (`written`); False: read it,
-# for pairs (`bench/gpu_pair.py --set watch.KNOWN_FRESH=False`)
-KNOWN_FRESH = True
 
 
 class Unseen(Exception):
@@ -156,5 +153,5 @@ def written(w: Watch, p: Prepared) -> bool:
     the pool's own fill ran on it before, so nothing there is left unseen; the step's kernels
     run after this and are checked as every step's are. Asking ends the freshness: a watch asks
     once a step, after its events, and the kernels write next."""
-    fresh, w.fresh = w.fresh and KNOWN_FRESH, False
+    fresh, w.fresh = w.fresh, False
     return not fresh or bool(p.ops)

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from sim.cli.choices import Backend, Watch
 from sim.cli.common import err_console, fail, user_errors
-from sim.cli.options import check_tolerance, check_workers
+from sim.cli.options import check_tolerance
 from sim.errors import KvsimError
 from sim.outputs import Kind, check_out
 
@@ -62,10 +62,6 @@ def register(app: typer.Typer) -> None:
                                    "default a steady MTP step (one FA2 launch over rows of one "
                                    "width) replays as a CUDA graph: the same kernels and "
                                    "verdicts in less wall time (docs/gpu.md)"),
-        prepare_workers: int | None = typer.Option(
-            None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
-            "(default 0: the loop prepares them itself). The same verdicts; they start slower "
-            "and rarely pay (docs/gpu.md)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()
@@ -76,9 +72,7 @@ def register(app: typer.Typer) -> None:
             _reexec_sanitized()
         try:
             check_tolerance(tol)
-            check_workers(prepare_workers, "--prepare-workers")
-            res = _run(trace_dir, backend.value, isolate, tol, watch.value, not eager,
-                       prepare_workers)
+            res = _run(trace_dir, backend.value, isolate, tol, watch.value, not eager)
         except KvsimError as e:
             fail(str(e))  # one line, whatever the terminal's width
         _summary(console, res)
@@ -90,7 +84,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch: str,
-         graphs: bool = True, workers: int | None = None) -> Any:
+         graphs: bool = True) -> Any:
     from gpu_backend.oracle import DEFAULT_TOL
 
     tol = DEFAULT_TOL if tol is None else tol
@@ -109,7 +103,7 @@ def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch:
 
         try:
             return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch,
-                              graphs=graphs, workers=workers)
+                              graphs=graphs)
         except RuntimeError as e:
             _fault(e, current["step"], backend)
 

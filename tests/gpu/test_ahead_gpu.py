@@ -26,8 +26,7 @@ def _trace(tmp: Path, name: str) -> TraceData:
 def _replay(trace: TraceData) -> ReplayResult:
     from gpu_backend.replay import FlashInferKernels
 
-    return driver.replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda",
-                         workers=0)
+    return driver.replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
 
 
 @pytest.mark.parametrize("name", ["clean_mtp", "overlap_uncorrected", "append_past_alloc",

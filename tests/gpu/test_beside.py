@@ -1,5 +1,5 @@
-"""The fp32 reference on a stream of its own (`oracle.BESIDE`, `TruthStore.side`) and a step's
-context rows in one reference launch (`oracle.TOGETHER`, `refattn.attend_rows`): launched off
+"""The fp32 reference on a stream of its own (`driver._reference_beside`, `TruthStore.side`) and
+a step's context rows in one reference launch (`oracle.together`, `refattn.attend_rows`): off
 the replay's stream, in eager steps and inside the graphs, and the replay's verdicts those of the
 reference run in order, a context row a launch (its errors bit for bit with the rows alone)."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 from replay_traces import SCENARIOS, big_verify
 
-from gpu_backend import oracle
+from gpu_backend import driver, oracle
 from gpu_backend.driver import replay
 from gpu_backend.result import ReplayResult
 from gpu_backend.tracedata import TraceData, load_trace
@@ -35,9 +35,12 @@ def _replay(trace: TraceData, monkeypatch: pytest.MonkeyPatch, beside: bool,
             together: bool) -> ReplayResult:
     from gpu_backend.replay import FlashInferKernels
 
-    monkeypatch.setattr(oracle, "BESIDE", beside)
-    monkeypatch.setattr(oracle, "TOGETHER", together)
-    return replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
+    with pytest.MonkeyPatch.context() as m:  # in order, a context row a launch: the oracles
+        if not beside:
+            m.setattr(driver, "_reference_beside", lambda *a: False)
+        if not together:
+            m.setattr(oracle, "together", lambda *a: False)
+        return replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
 
 
 def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:

@@ -13,7 +13,7 @@ import pytest
 import torch
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
-from gpu_backend import blockpack, prepare
+from gpu_backend import blockpack, prepare, steadystep
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.prepare import HostState
@@ -50,6 +50,14 @@ def _steps(trace: TraceData, words: int = 0) -> list[tuple[Any, ...]]:
     return out
 
 
+def _general(trace: TraceData, words: int = 0) -> list[tuple[Any, ...]]:
+    """`_steps` with every step staged `prepare`'s general way (no steady step: the pass's
+    oracle)."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(steadystep, "may", lambda *a: False)
+        return _steps(trace, words)
+
+
 def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk's buffers hold garbage where nothing is written (as reused pinned memory
     does), so a word the pass leaves unwritten shows."""
@@ -65,15 +73,13 @@ def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The same words, views (in the same order), graph key, target pages, pool operations,
-    reference groups and flags with the pass as without it (`prepare.PACK`: `steadystep`'s one
+    reference groups and flags with the pass as without it (`steadystep`'s one
     call, and `packed` where its room was short), the same host state after the last step, and
     the pass packed every graph step (on the big trace, every generation step). The pass
     writes its block where the chunk stages it (`Chunk.claim`): into a queued array, or into
     the chunk's buffer, grown mid-block when it is small."""
     trace = load_trace(named_trace(tmp_path, name, 9))
-    monkeypatch.setattr(prepare, "PACK", False)
-    want = _steps(trace)
-    monkeypatch.setattr(prepare, "PACK", True)
+    want = _general(trace)
     packed = []
     real = blockpack.finish
 
@@ -136,9 +142,7 @@ def test_a_block_over_its_room_is_written_again_where_it_fits(tmp_path: Path,
     """When the room claimed for a block is too small (`_most` too low), the pass writes
     nothing there, gives it back and writes the block in a claim of its size: the same words."""
     trace = load_trace(named_trace(tmp_path, "big", 5))
-    monkeypatch.setattr(prepare, "PACK", False)
-    want = _steps(trace)
-    monkeypatch.setattr(prepare, "PACK", True)
+    want = _general(trace)
     monkeypatch.setattr(blockpack, "_most", lambda *a: 7)
     _poisoned(monkeypatch)
     for words in (0, 1000):
@@ -166,7 +170,8 @@ def test_what_a_graph_block_holds_is_read_from_it(tmp_path: Path, name: str, pac
     fields (`blockpack.rest_slots`), both ways of staging it: each the values it has staged on
     its own, and inside the block."""
     trace = load_trace(named_trace(tmp_path, name, 9))
-    monkeypatch.setattr(prepare, "PACK", pack)
+    if not pack:
+        monkeypatch.setattr(steadystep, "may", lambda *a: False)
     got = _arrays(trace)
     monkeypatch.setattr(blockpack, "rest_slots",
                         lambda chunk, rest, ops, at: {n: chunk.add(a) for n, a in rest.items()})

@@ -173,7 +173,7 @@ def _order(trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
     monkeypatch.setattr(driver, "reference", logged_ref)
     monkeypatch.setattr(prepare, "_rest", logged_rest)
     m = trace.model
-    res = replay(trace, Logged(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+    res = replay(trace, Logged(m.num_q_heads, m.num_blocks), "cpu")
     assert res.counts()["ok"] == len(res.rows) > 0
     return order[:3]
 
@@ -214,7 +214,7 @@ def test_the_loop_makes_its_pool_and_watch_once_the_first_reference_is_queued(
     monkeypatch.setattr(driver, "reference", logged_ref)
     monkeypatch.setattr(driver, "KVPool", Logged)
     m = trace.model
-    res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+    res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
     assert res.counts()["ok"] == len(res.rows) > 0 and res.watch == "incremental"
     assert order[:2] == ["reference", "pool"] and order.count("pool") == 1
     assert order.count("reference") == len(prepare.replayed(trace)) > 1
@@ -253,7 +253,7 @@ def test_the_defer_changes_no_verdict(tmp_path: Path, monkeypatch: pytest.Monkey
     m = trace.model
 
     def rows() -> list[tuple[Any, ...]]:
-        res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+        res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
         return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows]
 
     want = rows()
@@ -285,15 +285,13 @@ def test_joined_reads_each_array_from_its_own_chunk() -> None:
     (False, False, "cuda", True), (False, False, "cuda:0", True), (False, False, "cpu", False),
     (True, False, "cuda", False), (False, True, "cuda", False)])
 def test_the_reference_gets_a_stream_of_its_own_only_on_cuda_and_untimed(
-        monkeypatch: pytest.MonkeyPatch, timing: bool, attn_timing: bool, device: str,
+        timing: bool, attn_timing: bool, device: str,
         want: bool) -> None:
     """A concurrent reference would run inside the timed launches' events (`_reference_beside`):
-    timed kernels keep it in order, and so does `oracle.BESIDE = False`."""
+    timed kernels keep it in order."""
     class Timed:
         name = "flashinfer"
 
     k = Timed()
     k.timing, k.attn_timing = timing, attn_timing  # type: ignore[attr-defined]
     assert driver._reference_beside(k, device) is want  # type: ignore[arg-type]
-    monkeypatch.setattr(driver.oracle, "BESIDE", False)
-    assert driver._reference_beside(k, device) is False  # type: ignore[arg-type]

@@ -39,9 +39,10 @@ def test_every_step_it_takes_gets_the_oracles_operations(tmp_path: Path, name: s
     for s in prepare.replayed(trace):
         before = set(st.shared)
         if st.prev_step >= 0 and not flight.double_free:
-            monkeypatch.setattr(poolops, "EVENTSK", False)
             want: dict[str, np.ndarray] = {}
-            ops, touched = poolops.step_ops(st, s, flight, want)
+            with pytest.MonkeyPatch.context() as m:  # the oracle: `event_ops`, `join_rewind`
+                m.setattr(eventsk, "pool_ops", lambda *a: None)
+                ops, touched = poolops.step_ops(st, s, flight, want)
             shared, st.shared = st.shared, set(before)
             got: dict[str, np.ndarray] = {}
             quick = eventsk.pool_ops(trace, s.step, st.guard, flight.before_step.get(s.step, []),
@@ -56,7 +57,6 @@ def test_every_step_it_takes_gets_the_oracles_operations(tmp_path: Path, name: s
                 assert all(got[k].dtype == want[k].dtype and np.array_equal(got[k], want[k])
                            for k in want)
             st.shared = before
-            monkeypatch.setattr(poolops, "EVENTSK", True)
         prepare.prepare_step(st, s, trace.rows[s.step], flight, Chunk("cpu"))
     if name == "big":
         assert took == len(prepare.replayed(trace)) - 1  # every generation step

@@ -258,30 +258,6 @@ def test_long_context_rows_stay_alone(tmp_path: Path, monkeypatch: pytest.Monkey
     assert refgroups.ref_groups(b, slots, {}, together=True) == refgroups.ref_groups(b, slots, {})
 
 
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_advance_rewinds_as_prepare_does(tmp_path: Path, name: str) -> None:
-    """A worker walking a step it hands to the next step's worker (`advance`, rewind) leaves
-    the rejected drafts `prepare_step` would: none for a step without draft rows (the prompts'
-    step, whose batch it no longer builds), the same pool rows and pages otherwise."""
-    t = load_trace(SCENARIOS[name](tmp_path / name))
-    a, b = _state(t), _state(t)
-    from gpu_backend.events import in_flight_poison
-    from gpu_backend.staging import Chunk
-
-    flight = in_flight_poison(t)
-    drafts = 0
-    for s in (x for x in t.steps if t.rows[x.step]):
-        prepare.prepare_step(a, s, t.rows[s.step], flight, Chunk("cpu"))
-        prepare.advance(b, s, t.rows[s.step], flight, True)
-        assert (a.rewind is None) == (b.rewind is None), s.step
-        if a.rewind is not None and b.rewind is not None:
-            drafts += 1
-            for x, y in zip(a.rewind, b.rewind, strict=True):
-                np.testing.assert_array_equal(x, y)
-    if name in ("clean_mtp", "overlap_uncorrected"):
-        assert drafts  # the scenarios reject drafts: both ways were compared
-
-
 def _truth_shape_rows(trace: TraceData) -> tuple[int, int, dict[int, int]]:
     """truth_shape as it was, a loop over the rows: the oracle."""
     first: dict[int, int] = {}
@@ -386,7 +362,7 @@ def test_the_fresh_pools_dropped_poison_is_never_made_rows(tmp_path: Path,
         return real(st, ops, *a)
 
     monkeypatch.setattr(poolops, "join_rewind", kept)
-    monkeypatch.setattr(poolops, "EVENTSK", False)  # every step through `join_rewind`
+    monkeypatch.setattr(poolops.eventsk, "pool_ops", lambda *a: None)  # all `join_rewind`
     steps = list(prepared_steps(t, _state(t), "cpu"))
     assert len(given) == len(steps) > 1
     assert not given[0] or given[0][0][0] != "nan"

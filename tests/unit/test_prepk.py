@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, Builder, named_trace, prompt
 
-from gpu_backend import flatten, hostpool, poolops, prepare, prepk, truthprep
+from gpu_backend import eventsk, flatten, hostpool, prepk, steadystep, truthprep
 from gpu_backend.driver import GUARD_PAGES
 from gpu_backend.fa2plan import H200, Planner
 from gpu_backend.intsets import member, unique
@@ -61,54 +61,22 @@ _FIELDS = ("ops", "touched", "fill", "engine_nan", "truth_same", "q_identity", "
            "wcheck", "graph")
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_every_step_is_prepared_as_the_numpy_prepares_it(tmp_path: Path, name: str,
-                                                          monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
-    """Every step of the trace: the same staged arrays (names, dtypes, values), pool
-    operations, reference groups, checked pages, blame flags and graph with the compiled passes
-    as with `prepk.ENABLED = False`, and the compiled passes did run."""
-    trace = _trace(tmp_path, name)
-    # a graph step's arrays past its first part as `prepare._rest` makes them with these
-    # passes (tests/unit/test_blockpack.py holds `blockpack`'s one pass to that)
-    monkeypatch.setattr(prepare, "PACK", False)
-    monkeypatch.setattr(prepk, "ENABLED", False)
-    want = _steps(trace)
-    monkeypatch.setattr(prepk, "ENABLED", True)
-    calls = _counting(monkeypatch)
-    got = _steps(trace)
-    assert len(got) == len(want) > 0
-    small = sum(len(p.b.engine_write) <= prepk.SMALL for p, _ in got)
-    assert calls["targets"] == small and len(got) <= calls["seq_lens"]
-    for (p, a), (q, b) in zip(got, want, strict=True):
-        # in any order: the prompts' step's content inputs are made from its rows with the
-        # compiled passes (`staging.FromRows`), after its other arrays
-        assert sorted(a) == sorted(b), p.b.step
-        assert all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k], equal_nan=True)
-                   for k in a), p.b.step
-        assert all(getattr(p, f) == getattr(q, f) for f in _FIELDS), p.b.step
-        assert p.wpages.dtype == q.wpages.dtype and np.array_equal(p.wpages, q.wpages)
-        assert p.wok.dtype == q.wok.dtype and np.array_equal(p.wok, q.wok)
-
-
 @pytest.mark.parametrize("name", ["big", "clean_mtp", "shared_block_written", *FAULTS[:4]])
 def test_every_step_split_across_threads_is_prepared_the_same(
         tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every step's long passes split across 3 threads (`flatten.split`,
     `prepk.content_split`: the split length at 1): the arrays, operations and groups of the
-    numpy preparation, and the split passes ran."""
+    preparation in one piece, and the split passes ran."""
     trace = _trace(tmp_path, name)
-    monkeypatch.setattr(prepk, "ENABLED", False)
-    want = _steps(trace)
-    monkeypatch.setattr(prepk, "ENABLED", True)
-    monkeypatch.setattr(hostpool, "threads", lambda: 3)
-    monkeypatch.setattr(hostpool, "SPLIT", 1)
+    # every step through `build_step` (a steady step's one call, `steadystep`, never splits: it
+    # takes steps of at most `prepk.SMALL` appends, far below the split length)
+    monkeypatch.setattr(steadystep, "may", lambda *a: False)
     # the prompts' step's content inputs per token, as the split passes make them (else the
     # device makes them from its rows: `truthprep.row_content`)
     monkeypatch.setattr(truthprep, "row_content", lambda *a: False)
-    # every step through `build_step` (a steady step's one call, `steadystep`, never splits: it
-    # takes steps of at most `prepk.SMALL` appends, far below the split length)
-    monkeypatch.setattr(prepare, "PACK", False)
+    want = _steps(trace)
+    monkeypatch.setattr(hostpool, "threads", lambda: 3)
+    monkeypatch.setattr(hostpool, "SPLIT", 1)
     calls: Counter[str] = Counter()
     for mod, fn in ((flatten, "split"), (prepk, "content_split")):
         real = getattr(mod, fn)
@@ -156,8 +124,8 @@ def test_the_big_trace_takes_every_pass(tmp_path: Path, monkeypatch: pytest.Monk
     """The benchmark's steady MTP steps take the identity group and rewind their drafts (in
     `prepare`'s own way: `blockpack`'s and `eventsk`'s passes call them compiled, past these
     counters)."""
-    monkeypatch.setattr(prepare, "PACK", False)
-    monkeypatch.setattr(poolops, "EVENTSK", False)
+    monkeypatch.setattr(steadystep, "may", lambda *a: False)
+    monkeypatch.setattr(eventsk, "pool_ops", lambda *a: None)
     calls = _counting(monkeypatch)
     _steps(_trace(tmp_path, "big"))
     assert all(calls[n] > 0 for n in _PASSES), calls
@@ -248,10 +216,6 @@ def test_the_pool_rows_of_poisoned_pages_are_numpys(pages: list[int], rows: int,
     want = np.concatenate([ahead, (p[:, None] * rows + np.arange(rows)).ravel()])
     got = prepk.pool_rows(p, rows, ahead)
     assert got.dtype == want.dtype and np.array_equal(got, want)
-
-
-def test_the_switch_is_on_by_default() -> None:
-    assert prepk.ENABLED and poolops.prepk is prepk
 
 
 def test_a_row_whose_lengths_contradict_itself_is_refused_as_before(tmp_path: Path) -> None:

@@ -187,7 +187,7 @@ def _boxed(pending: list[Any], mode: str) -> list[Any]:
 @pytest.mark.parametrize("mode", ["one", "halves", "mixed"])
 def test_results_read_back_from_an_arena_are_judged_as_tensors_are(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    """A read-back of steps whose results lie in one arena (`graphs.ARENA`) comes home as its
+    """A read-back of steps whose results lie in one arena comes home as its
     span in one copy and is cut into the steps' parts there; steps in two arenas, or among
     steps run eagerly, are read back as tensors. The verdicts are the same either way, a
     corrupt step's blame included."""

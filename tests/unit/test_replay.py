@@ -162,23 +162,6 @@ def test_cli_watch_choices(tmp_path: Path) -> None:
                         "of 'incremental', 'full'. (see kvsim replay --help)\n")
 
 
-def test_cli_prepare_workers(tmp_path: Path) -> None:
-    """--prepare-workers 2 gives the rows of the loop's own preparation; a negative count is
-    refused as bad input."""
-    bad = SCENARIOS["append_past_alloc"](tmp_path / "bad")
-    rows = []
-    for n in ("0", "2"):
-        p = _cli(str(bad), "--backend", "reference", "--prepare-workers", n,
-                 "--json", str(tmp_path / f"{n}.json"))
-        assert p.returncode == 1, p.stderr
-        out = json.loads((tmp_path / f"{n}.json").read_text())
-        assert out["stats"]["prepare_workers"] == int(n)
-        rows.append(out["rows"])
-    assert rows[0] == rows[1]
-    p = _cli(str(bad), "--backend", "reference", "--prepare-workers", "-1")
-    assert p.returncode == 2 and "Traceback" not in p.stderr + p.stdout
-
-
 @pytest.mark.parametrize(("error", "says"), [
     ("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
      "to allocate 34527715328 bytes", "out of memory during step 3 ("),
@@ -195,7 +178,7 @@ def test_cli_tells_out_of_memory_from_a_device_fault(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(run, "run_replay", fails)
     with pytest.raises(KvsimError) as e:
-        replay_cmd._run(ROOT, "reference", False, None, "incremental", True, None)
+        replay_cmd._run(ROOT, "reference", False, None, "incremental", True)
     assert says in str(e.value) and ("--isolate" in str(e.value)) == says.startswith("device")
 
 

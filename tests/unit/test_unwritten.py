@@ -60,10 +60,3 @@ def test_a_buffer_of_garbage_would_pass_a_token_no_launch_wrote() -> None:
     bare = torch.empty_like(q).fill_(0.25)
     assert not oracle.token_errors(bare, ref)[0].isnan().any()
     assert oracle.token_errors(with_garbage(q), ref)[0].isnan().all()
-
-
-def test_whole_nan_gives_the_buffer_before_round_45(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`oracle.WHOLE_NAN` (pairs against the code before): every element NaN."""
-    monkeypatch.setattr(oracle, "WHOLE_NAN", True)
-    out = oracle.unwritten(torch.zeros(5, 2, 8, dtype=torch.bfloat16))
-    assert out.isnan().all() and out.dtype == torch.bfloat16

@@ -14,7 +14,6 @@ from replay_traces import SCENARIOS
 from watch_cases import CASES, Stray, find_case
 
 from gpu_backend import driver
-from gpu_backend import watch as watch_module
 from gpu_backend.driver import replay
 from gpu_backend.pool import KVPool
 from gpu_backend.reference import ReferenceKernels
@@ -141,11 +140,3 @@ def test_a_pool_is_fresh_for_one_step_and_only_without_ops() -> None:
         w = kind(pool, fresh=True)
         assert written(w, copy) and written(w, no_ops)
         assert written(kind(pool), no_ops)  # sums from a look: no freshness claimed
-
-
-def test_known_fresh_off_reads_the_first_look(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`watch.KNOWN_FRESH = False` (for pairs against the reading way): every look reads."""
-    monkeypatch.setattr(watch_module, "KNOWN_FRESH", False)
-    pool = KVPool(4, 1, 2, 1, 4, torch.bfloat16, "cpu")
-    w = IncrementalWatch(pool, fresh=True)
-    assert written(w, SimpleNamespace(ops=[])) and not w.fresh

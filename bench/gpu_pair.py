@@ -8,12 +8,12 @@ The lent GPU machines' hosts differ a lot in speed: the same code's whole replay
 judged on pairs instead: A (the code as it is) and B (the same code with `--set`) alternate
 in one process (A B, B A, A B, ...), each on the benchmark trace of
 `bench/gpu_replay.py --sweep` (`tests/unit/replay_traces.py` big_verify, batch x kv_len, MTP)
-with N generation steps. Each replay is `driver.replay` from the call to its return and a
+with N generation steps. Each replay is `loop.replay` from the call to its return and a
 device sync, every step, as `bench/gpu_replay.py`'s `whole`; one warm-up replay of each first.
 
 `--set MODULE.NAME=VALUE` sets an attribute of a `gpu_backend` module (VALUE a Python literal)
 for B's replays only; repeat it for several. The JSON keeps every wall, the medians, B's median
-over A's, how many pairs B finished first, the steps each prepared ahead (`driver.Ahead`), and
+over A's, how many pairs B finished first, the steps each prepared ahead (`loop.Ahead`), and
 whether both gave the same rows.
 """
 
@@ -37,9 +37,9 @@ from environment import ROOT, environment, host_speed
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from gpu_backend import driver  # noqa: E402
-from gpu_backend.run import make_kernels  # noqa: E402
-from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
+from gpu_backend.replay import loop
+from gpu_backend.replay.run import make_kernels
+from gpu_backend.trace import TraceData, load_trace
 from sim.errors import KvsimError  # noqa: E402
 
 Setting = tuple[Any, str, Any]  # (module, attribute, value)
@@ -114,7 +114,7 @@ def one(trace: TraceData, backend: str, settings: list[Setting]) -> dict[str, An
         host = host_speed()
         _sync(device)
         t0 = time.perf_counter()
-        res = driver.replay(trace, kernels, device, on_step=on_step)
+        res = loop.replay(trace, kernels, device, on_step=on_step)
         _sync(device)
         wall = time.perf_counter() - t0
     return {"wall_ms": wall * 1e3, "first_gen_ms": (marks.get("first", t0) - t0) * 1e3,
@@ -183,7 +183,7 @@ def main() -> None:
         try:
             import torch
 
-            from gpu_backend.calibrate import meta  # the GPU, driver, torch and FlashInfer
+            from gpu_backend.tools.fidelity import meta
         except ImportError as e:
             ap.error(f"--backend flashinfer needs torch and flashinfer ({e}); "
                      "try --backend reference")

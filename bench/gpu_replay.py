@@ -13,11 +13,11 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   replay starts: `prepare_in_wall_ms_per_step` is 0 and `ratio_excl_prepare` equals `ratio`),
   so `ratio` is the replay loop's own, comparable across changes.
 - pipelined (one more pass, the replay's default): the steps are prepared in chunks one ahead
-  (`prepare.ramp`: the first ones small), the later chunks a step at a time between the timed
+  (`staging.ramp`: the first ones small), the later chunks a step at a time between the timed
   steps (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
   generation steps' preparation done before it) / kernels: what a user's replay of the
   generation steps costs, preparation included.
-- whole (`whole`): what a user's replay costs, `replay` on its default path from the call to its
+- whole (`whole`): what a user's replay costs, `flashinfer` on its default path from the call to its
   return: every step (the prompts' too) with everything inside it (the preparation, the
   pool's set-up) against every step's kernels, the median of 3 (`ratio`); `first_gen_ms`: from
   the call to the first generation step.
@@ -33,18 +33,18 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - --phases: one more pass with perf_counter_ns around each phase of the generation steps
   (events, content, append, plan, run, reference, errors, checksums, the loop between steps):
   host µs per step, inclusive (`phases_us_per_step`). The timers cost ~1 µs a phase.
-- prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`):
+- prepare: the host's numpy work per step from the trace (`gpu_backend.host.prepare`):
   `prepare_gen_ms_per_step` over the generation steps, and `ratio_gen_incl_prepare` = (wall +
   the generation steps' preparation done before the wall) / kernels: the end-to-end ratio when
   the whole preparation comes first (to compare with `pipelined.ratio_end_to_end`).
-- --watch incremental|full: the replay's page watch (`gpu_backend/watch.py`; default
+- --watch incremental|full: the replay's page watch (`gpu_backend/device/watch.py`; default
   incremental): full sums the whole pool every step, a third of a device-bound step.
 - --device-time: one more pass under the torch profiler (CUDA activity only): device µs per
   generation step by kernel (`device_us_per_step`), where a device-bound replay's time goes.
 - --sweep 64x2048,128x8192,...: the benchmark trace at each batch x kv_len, all of the above but
   the profile and phases (`sizes`): the ratio as the kernels get more work per step.
 - --eager: every step launched eagerly; by default the steady steps run as CUDA graphs
-  (`gpu_backend/graphs.py`; the kernels' own time is always measured eagerly, per launch).
+  (`gpu_backend/device/graphs.py`; the kernels' own time is always measured eagerly, per launch).
 - --steps N: the sweep trace's generation steps (default 12; a graph is captured in the first
   generation step of each wall pass, so its cost is inside the wall, spread over N steps).
 - --before B.json: the same command's result for the code before a change, run in the same
@@ -68,12 +68,12 @@ from typing import Any
 import torch
 from environment import host_speed
 
-from gpu_backend import driver
-from gpu_backend.calibrate import meta
-from gpu_backend.driver import replay
-from gpu_backend.replay import FlashInferKernels
-from gpu_backend.result import ReplayResult, max_ok_error
-from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.host import prepare
+from gpu_backend.replay.flashinfer import FlashInferKernels
+from gpu_backend.replay.loop import replay
+from gpu_backend.tools.fidelity import meta
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult, max_ok_error
 
 WATCH = ["incremental"]  # every pass's page watch (--watch)
 GRAPHS = [True]  # steady steps as CUDA graphs (--eager: False)
@@ -95,7 +95,7 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
     marks: dict[str, float] = {}
     prep = {"on": 0.0, "s": 0.0, "pre": 0.0}
     k = _kernels(trace)
-    real = driver.prepared_steps
+    real = prepare.prepared_steps
 
     def timed_steps(*a: Any, **kw: Any) -> Any:
         if ahead:  # every step prepared before the replay starts
@@ -122,11 +122,11 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
             marks["wait_" + what] = k.wait_s
             prep["on"] = float(what == "start")
 
-    driver.prepared_steps = timed_steps  # type: ignore[assignment]
+    prepare.prepared_steps = timed_steps  # type: ignore[assignment]
     try:
         res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
     finally:
-        driver.prepared_steps = real  # type: ignore[assignment]
+        prepare.prepared_steps = real  # type: ignore[assignment]
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
             (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res,
@@ -142,12 +142,12 @@ def kernel_pass(trace: TraceData) -> list[float]:
 
 def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3
                ) -> dict[str, Any]:
-    """What a user's replay costs: `replay` on its default path, from the call to its return
+    """What a user's replay costs: `flashinfer` on its default path, from the call to its return
     and a device sync, every step, the prompts' included, with everything inside (every
     step's preparation, the pool's set-up), against every step's kernels; the median of `reps`
     passes. `first_gen_ms`: from the call to the first generation step's start (the prompts'
     step and what the host does before and while it runs). `prepared_ahead`: the steps the
-    loop's own preparation got ahead while it would have waited for the device (`driver.Ahead`),
+    loop's own preparation got ahead while it would have waited for the device (`loop.Ahead`),
     per pass. `host_ms`: `environment.host_speed` just before each pass (a slow host's pass
     shows there)."""
     walls, firsts, ahead, host = [], [], [], []
@@ -191,22 +191,22 @@ def profile_pass(trace: TraceData, first: int, last: int) -> None:
 
 # (module or class, attribute, phase name): the step's phases, each timed inclusive
 _PHASES = [
-    ("gpu_backend.driver", "_apply_events", "events (poison, copies, resum)"),
-    ("gpu_backend.driver", "_content", "content (K/V/Q, truth)"),
-    ("gpu_backend.replay:FlashInferKernels", "run_step", "run_step (all FlashInfer)"),
+    ("gpu_backend.replay.loop", "_apply_events", "events (poison, copies, resum)"),
+    ("gpu_backend.replay.loop", "_content", "content (K/V/Q, truth)"),
+    ("gpu_backend.replay.flashinfer:FlashInferKernels", "run_step", "run_step (all FlashInfer)"),
     ("flashinfer", "append_paged_kv_cache", "  append"),
-    ("gpu_backend.replay:FlashInferKernels", "_plan", "  _plan (fence + plan)"),
+    ("gpu_backend.replay.flashinfer:FlashInferKernels", "_plan", "  _plan (fence + plan)"),
     ("flashinfer:BatchPrefillWithPagedKVCacheWrapper", "plan", "    prefill plan()"),
     ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "plan", "    decode plan()"),
     ("flashinfer:BatchPrefillWithPagedKVCacheWrapper", "run", "  prefill run()"),
     ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "run", "  decode run()"),
-    ("gpu_backend.graphs:StepGraphs", "run", "graph step (copy, replay, clone)"),
-    ("gpu_backend.driver", "reference", "reference"),
-    ("gpu_backend.driver", "token_errors", "token_errors"),
-    ("gpu_backend.pool:KVPool", "sums_and_changes", "checksums (full watch)"),
-    ("gpu_backend.pool:KVPool", "resum_pre", "events: resum_pre (incremental watch)"),
-    ("gpu_backend.pool:KVPool", "post_check", "post_check (incremental watch)"),
-    ("gpu_backend.pool:KVPool", "full_check", "full_check (incremental watch)"),
+    ("gpu_backend.device.graphs:StepGraphs", "run", "graph step (copy, replay, clone)"),
+    ("gpu_backend.replay.loop", "reference", "reference"),
+    ("gpu_backend.replay.loop", "token_errors", "token_errors"),
+    ("gpu_backend.device.pool:KVPool", "sums_and_changes", "checksums (full watch)"),
+    ("gpu_backend.device.pool:KVPool", "resum_pre", "events: resum_pre (incremental watch)"),
+    ("gpu_backend.device.pool:KVPool", "post_check", "post_check (incremental watch)"),
+    ("gpu_backend.device.pool:KVPool", "full_check", "full_check (incremental watch)"),
 ]
 
 
@@ -394,9 +394,10 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="one more pass: host µs per generation step by phase")
     ap.add_argument("--watch", choices=("incremental", "full"), default="incremental",
-                    help="the replay's page watch (gpu_backend/watch.py)")
+                    help="the replay's page watch (gpu_backend/device/watch.py)")
     ap.add_argument("--eager", action="store_true",
-                    help="every step launched eagerly, no CUDA graphs (gpu_backend/graphs.py)")
+                    help="every step launched eagerly, no CUDA graphs "
+                    "(gpu_backend/device/graphs.py)")
     ap.add_argument("--steps", type=int, default=12,
                     help="--sweep: generation steps of the benchmark trace (default 12)")
     ap.add_argument("--device-time", action="store_true",

@@ -6,11 +6,11 @@ At batch 64 x kv 2k the H200 runs a replay step in ~0.32 ms (2.1x the kernels' o
 so the replay's end-to-end ratio is set by what the host does around
 it. This bench times that host work without a device, on the same benchmark trace as
 `bench/gpu_replay.py --sweep` (`tests/unit/replay_traces.py` big_verify, MTP W=4), by stage of
-the pipeline (`gpu_backend/prepare.py`), in µs per generation step
+the pipeline (`gpu_backend/host/prepare.py`), in µs per generation step
 (the prompts' step left out):
 
-- start: what `driver.replay` does on the host before it prepares the prompts' step and that
-  the device does not wait on (`truthprep.truth_shape`, the `HostState`, `in_flight_poison`), in
+- start: what `loop.replay` does on the host before it prepares the prompts' step and that
+  the device does not wait on (`truth.truth_shape`, the `HostState`, `in_flight_poison`), in
   ms: serial before anything runs, like the prompt's;
 - prompt: `prepare.prepare_step` on the prompts' step, in ms (the loop prepares it before
   anything runs: at batch 64 it is tens of ms of a whole replay, `bench/gpu_replay.py`'s
@@ -21,7 +21,7 @@ the pipeline (`gpu_backend/prepare.py`), in µs per generation step
   while the device runs those launches;
 - prepare: `prepare.prepare_step` (what the loop's own preparation costs a step).
 
-Each size is measured twice, each time in a process forked for it: as `driver.replay` runs,
+Each size is measured twice, each time in a process forked for it: as `loop.replay` runs,
 with freed memory kept in the heap (`sim.heap`), and with glibc's default heap (`heap_default`,
 and `kept_over_default` the ratios; `--no-heap-default` skips it).
 
@@ -50,9 +50,9 @@ from environment import ROOT, environment, positive
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from gpu_backend import fa2plan, prepare, staging, truthprep  # noqa: E402
-from gpu_backend.events import in_flight_poison  # noqa: E402
-from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
+from gpu_backend.host import graph_block, prepare, staging, truth
+from gpu_backend.host.events import in_flight_poison
+from gpu_backend.trace import TraceData, load_trace
 from sim import heap  # noqa: E402
 
 
@@ -62,10 +62,10 @@ def _host_load(self: staging.Chunk, h64: Any) -> None:
 
 
 def _state(trace: TraceData) -> prepare.HostState:
-    slots, _, last = truthprep.truth_shape(trace)
+    slots, _, last = truth.truth_shape(trace)
     return prepare.HostState(trace, 16, trace.model.max_position, last=last,
                              free=list(range(slots))[::-1],
-                             graphs=fa2plan.Planner.for_model(trace.model, fa2plan.H200))
+                             graphs=graph_block.Planner.for_model(trace.model, graph_block.H200))
 
 
 def _prepare_pass(trace: TraceData) -> float:
@@ -80,7 +80,7 @@ def _prepare_pass(trace: TraceData) -> float:
 
 
 def _start_pass(trace: TraceData) -> float:
-    """ms of the replay's host start before the prompts' step (`driver._replay`, the device's
+    """ms of the replay's host start before the prompts' step (`loop._replay`, the device's
     allocations aside)."""
     t0 = time.perf_counter()
     _state(trace)
@@ -122,7 +122,7 @@ def _median(fn: Callable[[], Any], reps: int) -> Any:
 
 
 def measure(trace: TraceData, reps: int, kept: bool = True) -> dict[str, float]:
-    """The stages' figures; kept: with freed memory kept in the heap, as `driver.replay` runs
+    """The stages' figures; kept: with freed memory kept in the heap, as `loop.replay` runs
     them (`sim.heap`), else with glibc's defaults. In a process forked for them: a `kept()`
     block changes glibc's settings for good, and every figure starts from this process's."""
     ctx = mp.get_context("fork")

@@ -77,7 +77,7 @@ def register(app: typer.Typer) -> None:
             fail(str(e))  # one line, whatever the terminal's width
         _summary(console, res)
         if json_out is not None:
-            from gpu_backend.run import write_json
+            from gpu_backend.replay.run import write_json
 
             write_json(res, Path(json_out))
         raise typer.Exit(0 if res.ok else 1)
@@ -85,14 +85,14 @@ def register(app: typer.Typer) -> None:
 
 def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch: str,
          graphs: bool = True) -> Any:
-    from gpu_backend.oracle import DEFAULT_TOL
+    from gpu_backend.verdicts import DEFAULT_TOL
 
     tol = DEFAULT_TOL if tol is None else tol
     if isolate:
-        from gpu_backend.isolate import replay_isolated
+        from gpu_backend.replay.run import replay_isolated
 
         return replay_isolated(trace_dir, backend, tol)
-    from gpu_backend.run import run_replay
+    from gpu_backend.replay.run import run_replay
 
     current = {"step": -1}
     with _progress(trace_dir) as (bar, task):
@@ -146,7 +146,7 @@ def _reexec_sanitized() -> None:
 
 
 def _summary(console: Console, res: Any) -> None:
-    from gpu_backend.result import max_ok_error
+    from gpu_backend.verdicts import max_ok_error
 
     t = Table(title=f"{res.backend} replay of {Path(res.trace).name} (tol {res.tol:g})")
     t.add_column("verdict")
@@ -159,7 +159,7 @@ def _summary(console: Console, res: Any) -> None:
     if res.stats.get("plan_mismatches"):
         console.print(f"[yellow]note:[/yellow] {res.stats['plan_mismatches']} CUDA-graph shape(s) "
                       "ran eagerly: kvsim's port of FlashInfer's FA2 planner "
-                      "(gpu_backend/fa2plan.py, from 0.7.2.post1) disagreed with this "
+                      "(gpu_backend/host/graph_block.py, from 0.7.2.post1) disagreed with this "
                       "FlashInfer's plan. The verdicts are unaffected; the replay is slower. "
                       "Please report it with your FlashInfer version.")
     bad = [r for r in res.rows if r.verdict != "ok"][:_FIRST_BAD]

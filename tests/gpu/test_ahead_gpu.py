@@ -1,5 +1,5 @@
 """The loop's own preparation gets ahead while the host would wait for the device
-(`driver.Ahead`): the same rows as a loop that only waits."""
+(`loop.Ahead`): the same rows as a loop that only waits."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 import torch
 from replay_traces import SCENARIOS, big_verify
 
-from gpu_backend import driver
-from gpu_backend.result import ReplayResult
-from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend import verdicts
+from gpu_backend.replay import loop
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult
 
 pytestmark = pytest.mark.gpu
 
@@ -24,9 +25,9 @@ def _trace(tmp: Path, name: str) -> TraceData:
 
 
 def _replay(trace: TraceData) -> ReplayResult:
-    from gpu_backend.replay import FlashInferKernels
+    from gpu_backend.replay.flashinfer import FlashInferKernels
 
-    return driver.replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
+    return loop.replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
 
 
 @pytest.mark.parametrize("name", ["clean_mtp", "overlap_uncorrected", "append_past_alloc",
@@ -34,16 +35,16 @@ def _replay(trace: TraceData) -> ReplayResult:
 def test_steps_prepared_ahead_give_the_rows_of_a_loop_that_waits(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     trace = _trace(tmp_path, name)
-    send = driver.send
+    send = verdicts.send
 
     def slow_send(pending: list[Any], *rest: Any) -> Any:  # the device busy ~5 ms before each
         torch.cuda._sleep(10**7)  # read-back; `rest` is whatever else driver passes send
         return send(pending, *rest)
 
-    monkeypatch.setattr(driver, "send", slow_send)
-    monkeypatch.setattr(driver, "FLUSH", 1)  # the host waits after every step
+    monkeypatch.setattr(loop, "send", slow_send)
+    monkeypatch.setattr(loop, "FLUSH", 1)  # the host waits after every step
     ahead = _replay(trace)
-    monkeypatch.setattr(driver, "BANK", 0)
+    monkeypatch.setattr(loop, "BANK", 0)
     waits = _replay(trace)
     assert ahead.stats["prepared_ahead"] > 0 and waits.stats["prepared_ahead"] == 0
     assert [(r.step, r.row, r.request, r.verdict, r.message) for r in ahead.rows] == \

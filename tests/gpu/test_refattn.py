@@ -1,8 +1,9 @@
-"""The Triton kernels of the replay (gpu_backend/refattn.py, poolk.py) against the torch path
+"""The Triton kernels of the replay (gpu_backend/device/reference_triton.py, poolk.py) against the
+torch path
 they replace (the torch path, where Triton is missing) and, for the reference, against fp64.
 
 Every kernel runs at least twice per shape: the first launch goes through Triton's own path and
-compiles, later ones through `tlaunch.Launcher`'s cached direct launch."""
+compiles, later ones through `pool_triton.Launcher`'s cached direct launch."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_backend import oracle, pool
-from gpu_backend.pool import KVPool, content_kv_q, mod_m
+from gpu_backend.device import pool, reference
+from gpu_backend.device.pool import KVPool, content_kv_q, mod_m
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -23,13 +24,13 @@ DEV = "cuda"
 
 @pytest.fixture
 def fused() -> Iterator[ModuleType]:
-    mod = pytest.importorskip("gpu_backend.refattn")
-    assert oracle._refattn() is mod
+    mod = pytest.importorskip("gpu_backend.device.reference_triton")
+    assert reference._refattn() is mod
     yield mod
 
 
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(oracle, "_refattn", lambda: None)  # as where Triton is missing
+    monkeypatch.setattr(reference, "_refattn", lambda: None)  # as where Triton is missing
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ def test_reference_kernel_matches_torch_fp32_and_fp64(fused: ModuleType, R: int,
     limit = committed[:, None] + torch.arange(W, device=DEV)[None, :]
     L = int(limit.max()) + 1
     k, v = kv[0, slots, :, :L], kv[1, slots, :, :L]
-    ref32 = oracle.attend(q, k, v, limit, int(limit.min()) + 1)
+    ref32 = reference.attend(q, k, v, limit, int(limit.min()) + 1)
     ref64 = _fp64(q, k, v, limit)
     for _ in range(2):
         out = fused.attend(q, kv, slots, limit, L)
@@ -221,7 +222,7 @@ def test_reference_kernel_on_a_misaligned_query_view(fused: ModuleType) -> None:
 
 
 def test_reference_kernel_writes_into_a_slice_of_the_steps_output(fused: ModuleType) -> None:
-    # `oracle.reference` hands a context row's group its slice of the step's output (out=):
+    # `reference.reference` hands a context row's group its slice of the step's output (out=):
     # the same bits as a fresh output, nothing written outside the slice; a wrong out refused
     g = torch.Generator(device=DEV).manual_seed(5)
     W, Hq, Hkv, D = 300, 32, 8, 128
@@ -256,7 +257,7 @@ def test_token_error_kernel_is_the_torch_path_with_nan_and_inf(fused: ModuleType
     out[60, :, :] = float("nan")
     got = [fused.token_errors(out, ref) for _ in range(2)]
     _torch_path(monkeypatch)
-    want = oracle.token_errors(out, ref)
+    want = reference.token_errors(out, ref)
     for x in got:
         torch.testing.assert_close(x, want, rtol=0, atol=0, equal_nan=True)
     assert want[0, [3, 10, 40, 60]].isnan().all() and want[0, 20].isinf()
@@ -264,7 +265,7 @@ def test_token_error_kernel_is_the_torch_path_with_nan_and_inf(fused: ModuleType
 
 
 def test_an_unwritten_buffers_tokens_judge_as_a_whole_nan_buffers(fused: ModuleType) -> None:
-    """`oracle.unwritten` on the device (a strided fill of each head vector's first element):
+    """`reference.unwritten` on the device (a strided fill of each head vector's first element):
     the fused errors of its unwritten tokens and heads are those of a buffer all NaN."""
     from test_unwritten import with_garbage, written
 
@@ -272,7 +273,7 @@ def test_an_unwritten_buffers_tokens_judge_as_a_whole_nan_buffers(fused: ModuleT
     n, H, D = 300, 32, 128
     q = torch.rand(n, H, D, device=DEV, generator=g).bfloat16()
     ref = torch.rand(n, H, D, device=DEV, generator=g) * 2 - 1
-    bare = oracle.unwritten(q)
+    bare = reference.unwritten(q)
     assert bare[..., 0].isnan().all() and bare.shape == q.shape and bare.dtype == q.dtype
     want = fused.token_errors(written(torch.full_like(q, float("nan")), ref), ref)
     got = fused.token_errors(written(with_garbage(q), ref), ref)
@@ -322,8 +323,8 @@ def test_replay_gives_the_torch_paths_verdicts(fused: ModuleType, monkeypatch: p
                                                tmp_path: Path, name: str) -> None:
     from replay_traces import SCENARIOS
 
-    from gpu_backend.oracle import DEFAULT_TOL
-    from gpu_backend.run import run_replay
+    from gpu_backend.replay.run import run_replay
+    from gpu_backend.verdicts import DEFAULT_TOL
 
     trace = SCENARIOS[name](tmp_path / name)
     got = run_replay(trace, "flashinfer", DEFAULT_TOL)

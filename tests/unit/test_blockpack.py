@@ -1,4 +1,4 @@
-"""gpu_backend/blockpack.py: a steady step past its truth slots, in one compiled pass, is
+"""gpu_backend/host/steady_jit.py: a steady step past its truth slots, in one compiled pass, is
 staged word for word and view for view as `prepare`'s own way stages it (its oracle), with the
 same groups, flags and host state, on every step of the replay test traces."""
 
@@ -13,13 +13,13 @@ import pytest
 import torch
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
-from gpu_backend import blockpack, prepare, steadystep
-from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.fa2plan import H200, Planner
-from gpu_backend.prepare import HostState
-from gpu_backend.staging import Chunk
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.truthprep import truth_shape
+from gpu_backend.host import events, prepare, steady_jit
+from gpu_backend.host.graph_block import H200, Planner
+from gpu_backend.host.prepare import HostState
+from gpu_backend.host.staging import Chunk
+from gpu_backend.host.truth import truth_shape
+from gpu_backend.replay.loop import GUARD_PAGES
+from gpu_backend.trace import TraceData, load_trace
 
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
 
@@ -36,7 +36,7 @@ def _steps(trace: TraceData, words: int = 0) -> list[tuple[Any, ...]]:
     (name -> slot, in order), graph key, wpages, wcheck, wok, then its other fields), then the
     host state after the last one."""
     st = _state(trace)
-    flight = prepare.in_flight_poison(trace)
+    flight = events.in_flight_poison(trace)
     out = []
     for s in prepare.replayed(trace):
         chunk = Chunk("cpu", words)
@@ -54,7 +54,7 @@ def _general(trace: TraceData, words: int = 0) -> list[tuple[Any, ...]]:
     """`_steps` with every step staged `prepare`'s general way (no steady step: the pass's
     oracle)."""
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(steadystep, "may", lambda *a: False)
+        m.setattr(prepare, "may", lambda *a: False)
         return _steps(trace, words)
 
 
@@ -73,7 +73,7 @@ def _poisoned(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The same words, views (in the same order), graph key, target pages, pool operations,
-    reference groups and flags with the pass as without it (`steadystep`'s one
+    reference groups and flags with the pass as without it (`prepare`'s one
     call, and `packed` where its room was short), the same host state after the last step, and
     the pass packed every graph step (on the big trace, every generation step). The pass
     writes its block where the chunk stages it (`Chunk.claim`): into a queued array, or into
@@ -81,13 +81,13 @@ def test_every_step_is_staged_as_rest_stages_it(tmp_path: Path, name: str,
     trace = load_trace(named_trace(tmp_path, name, 9))
     want = _general(trace)
     packed = []
-    real = blockpack.finish
+    real = steady_jit.finish
 
     def counted(*a: Any) -> Any:  # every packed step, the one call's or `packed`'s
         packed.append(True)
         return real(*a)
 
-    monkeypatch.setattr(blockpack, "finish", counted)
+    monkeypatch.setattr(steady_jit, "finish", counted)
     _poisoned(monkeypatch)
     for words in (0, 1000):
         packed.clear()
@@ -112,7 +112,7 @@ def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path,
     trace = load_trace(named_trace(tmp_path, "big", 3))
     st = _state(trace)
     seen: list[Any] = []
-    real = blockpack.packed
+    real = steady_jit.packed
 
     def mixed(caps: Any, b: Any, *a: Any) -> Any:
         q_len = b.q_len.copy()
@@ -126,10 +126,10 @@ def test_a_step_of_mixed_widths_is_left_to_prepare(tmp_path: Path,
     def short(*a: Any) -> Any:  # the one call's room is short: `packed` stages the step
         return 7
 
-    flight = prepare.in_flight_poison(trace)
+    flight = events.in_flight_poison(trace)
     steps = prepare.replayed(trace)
-    monkeypatch.setattr(blockpack, "packed", mixed)
-    monkeypatch.setattr(blockpack, "_most", short)
+    monkeypatch.setattr(steady_jit, "packed", mixed)
+    monkeypatch.setattr(steady_jit, "_most", short)
     prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, Chunk("cpu"))
     p = prepare.prepare_step(st, steps[1], trace.rows[steps[1].step], flight, Chunk("cpu"))
     assert len(seen) == 1 and seen[0][0] is None and seen[0][1] == seen[0][2]  # the gen step
@@ -143,7 +143,7 @@ def test_a_block_over_its_room_is_written_again_where_it_fits(tmp_path: Path,
     nothing there, gives it back and writes the block in a claim of its size: the same words."""
     trace = load_trace(named_trace(tmp_path, "big", 5))
     want = _general(trace)
-    monkeypatch.setattr(blockpack, "_most", lambda *a: 7)
+    monkeypatch.setattr(steady_jit, "_most", lambda *a: 7)
     _poisoned(monkeypatch)
     for words in (0, 1000):
         got = _steps(trace, words)
@@ -167,13 +167,13 @@ def _arrays(trace: TraceData) -> list[tuple[Any, dict[str, np.ndarray], dict[str
 def test_what_a_graph_block_holds_is_read_from_it(tmp_path: Path, name: str, pack: bool,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A graph step's events' rows, touched pages and target pages are views of its block's
-    fields (`blockpack.rest_slots`), both ways of staging it: each the values it has staged on
+    fields (`steady_jit.rest_slots`), both ways of staging it: each the values it has staged on
     its own, and inside the block."""
     trace = load_trace(named_trace(tmp_path, name, 9))
     if not pack:
-        monkeypatch.setattr(steadystep, "may", lambda *a: False)
+        monkeypatch.setattr(prepare, "may", lambda *a: False)
     got = _arrays(trace)
-    monkeypatch.setattr(blockpack, "rest_slots",
+    monkeypatch.setattr(steady_jit, "rest_slots",
                         lambda chunk, rest, ops, at: {n: chunk.add(a) for n, a in rest.items()})
     want = _arrays(trace)
     viewed = 0
@@ -197,7 +197,7 @@ def test_events_rows_are_viewed_one_after_the_other_in_the_ops_order() -> None:
     rest = {"ev1": np.arange(3), "seq_lens": np.arange(2), "ev0": np.arange(5),
             "touched": np.arange(4), "wpages": np.arange(6)}
     at = {"gr_prows": 100, "gr_touched": 50, "gr_wpages": 70}
-    got = blockpack.rest_slots(chunk, rest, [("nan", 0, 0, 0), ("nan", 1, 0, 0)], at.__getitem__)
+    got = steady_jit.rest_slots(chunk, rest, [("nan", 0, 0, 0), ("nan", 1, 0, 0)], at.__getitem__)
     assert list(got) == list(rest) and chunk.n == 2
     assert got == {"ev1": ((3,), (1,), 105), "seq_lens": ((2,), (1,), 0),
                    "ev0": ((5,), (1,), 100), "touched": ((4,), (1,), 50),

@@ -1,5 +1,6 @@
-"""gpu_backend/eventsk.py: the usual generation step's block events in one compiled pass give
-what `events.event_ops` and `poolops.join_rewind` give (its oracle) on every step of the replay
+"""gpu_backend/host/prepare_jit.py: the usual generation step's block events in one compiled pass
+give
+what `events.event_ops` and `events.join_rewind` give (its oracle) on every step of the replay
 test traces it takes: the same pool operations, poisoned rows, touched pages and shared blocks
 after; a step it does not take is left as it was."""
 
@@ -11,13 +12,13 @@ import numpy as np
 import pytest
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
-from gpu_backend import eventsk, poolops, prepare
-from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.fa2plan import H200, Planner
-from gpu_backend.prepare import HostState
-from gpu_backend.staging import Chunk
-from gpu_backend.tracedata import EVENT_CODES, TraceData, load_trace
-from gpu_backend.truthprep import truth_shape
+from gpu_backend.host import events, prepare, prepare_jit
+from gpu_backend.host.graph_block import H200, Planner
+from gpu_backend.host.prepare import HostState
+from gpu_backend.host.staging import Chunk
+from gpu_backend.host.truth import truth_shape
+from gpu_backend.replay.loop import GUARD_PAGES
+from gpu_backend.trace import EVENT_CODES, TraceData, load_trace
 
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
 
@@ -34,18 +35,19 @@ def test_every_step_it_takes_gets_the_oracles_operations(tmp_path: Path, name: s
                                                          ) -> None:
     trace = load_trace(named_trace(tmp_path, name, 9))
     st = _state(trace)
-    flight = prepare.in_flight_poison(trace)
+    flight = events.in_flight_poison(trace)
     took = 0
     for s in prepare.replayed(trace):
         before = set(st.shared)
         if st.prev_step >= 0 and not flight.double_free:
             want: dict[str, np.ndarray] = {}
             with pytest.MonkeyPatch.context() as m:  # the oracle: `event_ops`, `join_rewind`
-                m.setattr(eventsk, "pool_ops", lambda *a: None)
-                ops, touched = poolops.step_ops(st, s, flight, want)
+                m.setattr(prepare_jit, "pool_ops", lambda *a: None)
+                ops, touched = events.step_ops(st, s, flight, want)
             shared, st.shared = st.shared, set(before)
             got: dict[str, np.ndarray] = {}
-            quick = eventsk.pool_ops(trace, s.step, st.guard, flight.before_step.get(s.step, []),
+            quick = prepare_jit.pool_ops(trace, s.step, st.guard,
+                                         flight.before_step.get(s.step, []),
                                      st.shared, st.rewind, got)
             if quick is None:
                 assert not got and st.shared == before
@@ -80,5 +82,5 @@ def test_a_copy_or_a_shared_block_is_left_to_the_oracle(tmp_path: Path) -> None:
         t = type(trace)(**{**vars(trace), "event_columns": edited})
         arrays: dict[str, np.ndarray] = {}
         shared = {1, 2}
-        assert eventsk.pool_ops(t, step, GUARD_PAGES, [], shared, None, arrays) is None
+        assert prepare_jit.pool_ops(t, step, GUARD_PAGES, [], shared, None, arrays) is None
         assert not arrays and shared == {1, 2}

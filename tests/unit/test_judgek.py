@@ -1,5 +1,5 @@
-"""gpu_backend/judgek.py: the compiled judge gives the numpy judge's codes and max errors
-(`oracle.judge_numpy`, its oracle), dtypes included, on random read-backs: empty rows and
+"""gpu_backend/verdicts_jit.py: the compiled judge gives the numpy judge's codes and max errors
+(`verdicts.judge_numpy`, its oracle), dtypes included, on random read-backs: empty rows and
 steps, NaN errors with and without a NaN reference, infinities, errors at the tolerance."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_backend import judgek, oracle
+from gpu_backend import verdicts, verdicts_jit
 
 _VALUES = [0.0, 0.01, 0.02, 0.0200001, 0.5, np.nan, np.inf, -np.inf, -0.1]
 
@@ -34,11 +34,12 @@ def _read_back(draw: st.DrawFn) -> tuple[list[Any], np.ndarray, float]:
 def test_the_compiled_judge_is_the_numpy_judge(case: tuple[list[Any], np.ndarray, float]
                                                ) -> None:
     batches, tok, tol = case
-    code, err = oracle.judge(batches, tok, tol)
-    want_code, want_err = oracle.judge_numpy(batches, tok, tol)
+    code, err = verdicts.judge(batches, tok, tol)
+    want_code, want_err = verdicts.judge_numpy(batches, tok, tol)
     assert code.dtype == want_code.dtype and code.tolist() == want_code.tolist()
     assert err.dtype == want_err.dtype and np.array_equal(err, want_err)
 
 
 def test_its_codes_are_the_oracles() -> None:
-    assert (judgek.OK, judgek.MISMATCH, judgek.NAN) == (oracle.OK, oracle.MISMATCH, oracle.NAN)
+    assert (verdicts_jit.OK, verdicts_jit.MISMATCH, verdicts_jit.NAN) == \
+        (verdicts.OK, verdicts.MISMATCH, verdicts.NAN)

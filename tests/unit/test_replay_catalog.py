@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_backend.events import in_flight_poison
-from gpu_backend.layout import build_step, launch_runs, stale_plan
-from gpu_backend.oracle import DEFAULT_TOL
-from gpu_backend.pool import content
-from gpu_backend.run import run_replay
-from gpu_backend.tracedata import load_trace
+from gpu_backend.device.pool import content
+from gpu_backend.host.batch import launch_runs, stale_plan
+from gpu_backend.host.events import in_flight_poison
+from gpu_backend.host.layout import build_step
+from gpu_backend.replay.run import run_replay
+from gpu_backend.trace import load_trace
+from gpu_backend.verdicts import DEFAULT_TOL
 
 ROOT = Path(__file__).resolve().parents[2]
 

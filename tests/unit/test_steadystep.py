@@ -1,5 +1,5 @@
-"""gpu_backend/steadystep.py: a steady step's layout and graph block in one compiled call give
-`layout.build_step`'s batch, field for field, and `blockpack.packed`'s block on it, word for
+"""gpu_backend/host/prepare.py: a steady step's layout and graph block in one compiled call give
+`layout.build_step`'s batch, field for field, and `steady_jit.packed`'s block on it, word for
 word, on every step of the replay test traces it takes; a step it cannot pack is left with
 nothing staged."""
 
@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
-from gpu_backend import blockpack, poolops, prepare, steadystep, truthprep
-from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.fa2plan import H200, Planner
-from gpu_backend.layout import _FIELDS, Columns, StepBatch, build_step
-from gpu_backend.prepare import HostState
-from gpu_backend.staging import Chunk
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.truthprep import truth_shape
+from gpu_backend.host import events, prepare, steady_jit, truth
+from gpu_backend.host.batch import _FIELDS, Columns, StepBatch
+from gpu_backend.host.graph_block import H200, Planner
+from gpu_backend.host.layout import build_step
+from gpu_backend.host.prepare import HostState
+from gpu_backend.host.staging import Chunk
+from gpu_backend.host.truth import truth_shape
+from gpu_backend.replay.loop import GUARD_PAGES
+from gpu_backend.trace import TraceData, load_trace
 
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS]
 
@@ -41,30 +42,30 @@ def _same_batch(a: StepBatch, b: StepBatch) -> None:
 
 
 def _take(st: HostState, s: Any, c: Columns, flight: Any, chunk: Chunk) -> tuple[Any, ...]:
-    """`steadystep.take` on step s as `prepare` calls it (its events applied first)."""
+    """`prepare.take` on step s as `prepare` calls it (its events applied first)."""
     arrays: dict[str, np.ndarray] = {}
-    ops, touched = poolops.step_ops(st, s, flight, arrays)
-    slots, fill = truthprep.admit_rows(st, c["request"], c["committed"], {})
+    ops, touched = events.step_ops(st, s, flight, arrays)
+    slots, fill = truth.admit_rows(st, c["request"], c["committed"], {})
     shared = np.fromiter(st.shared, np.int64, len(st.shared))
     args = (st.graph_caps, s, c, shared, st.trace.model.page_size, st.guard, slots, arrays,
             ops, touched, st.prev_step, st.graphs, st.trace.model.num_blocks + 2 * st.guard,
             st.rope_rows, chunk)
-    return steadystep.take(*args), shared, (slots, arrays, ops, touched), fill
+    return prepare.take(*args), shared, (slots, arrays, ops, touched), fill
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_the_one_call_gives_build_steps_batch_and_packeds_block(tmp_path: Path,
                                                                 name: str) -> None:
     """Each step `may` takes, in a fresh chunk: the batch `build_step` makes of it, and, when
-    it packs it, the block (words, key, targets, group) `blockpack.packed` makes on that batch,
+    it packs it, the block (words, key, targets, group) `steady_jit.packed` makes on that batch,
     from the same host state; when it does not, nothing staged and no capacity grown."""
     trace = load_trace(named_trace(tmp_path, name, 9))
     st, twin = _state(trace), _state(trace)
-    flight = prepare.in_flight_poison(trace)
+    flight = events.in_flight_poison(trace)
     took = 0
     for s in prepare.replayed(trace):
         c = trace.columns.get(s.step)
-        if st.prev_step >= 0 and steadystep.may(s, c, s.step in trace.checked):
+        if st.prev_step >= 0 and prepare.may(s, c, s.step in trace.checked):
             assert c is not None
             caps = dict(st.graph_caps)
             chunk, again = Chunk("cpu"), Chunk("cpu")
@@ -74,13 +75,13 @@ def test_the_one_call_gives_build_steps_batch_and_packeds_block(tmp_path: Path,
                 b = build_step(s, trace.rows[s.step], trace.model.page_size, st.guard, shared,
                                c, checked=True)
                 _same_batch(got[0], b)
-                want = blockpack.packed(caps, b, slots, arrays, ops, touched, st.prev_step,
+                want = steady_jit.packed(caps, b, slots, arrays, ops, touched, st.prev_step,
                                         st.graphs, trace.model.num_blocks + 2 * st.guard,
                                         st.rope_rows, again)
                 if got[1] is None:
                     assert want is None and chunk.n == 0 and caps == st.graph_caps
                 else:
-                    assert blockpack.steady(b)  # the shape `steadystep.may` and the call check
+                    assert steady_jit.steady(b)  # the shape `prepare.may` and the call check
                     assert want is not None and np.array_equal(chunk.words(), again.words())
                     assert got[1][0] == want[0] and dict(got[1][1].slots) == \
                         dict(want[1].slots)
@@ -110,12 +111,12 @@ def test_a_step_of_mixed_widths_is_laid_out_and_not_packed(tmp_path: Path) -> No
     capacity grown."""
     trace = load_trace(named_trace(tmp_path, "big", 3))
     st = _state(trace)
-    flight = prepare.in_flight_poison(trace)
+    flight = events.in_flight_poison(trace)
     steps = prepare.replayed(trace)
     prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, Chunk("cpu"))
     s = steps[1]
     c = _one_less(trace.columns[s.step])
-    assert steadystep.may(s, c, True)
+    assert prepare.may(s, c, True)
     chunk = Chunk("cpu")
     caps = dict(st.graph_caps)
     got, shared, _, fill = _take(st, s, c, flight, chunk)

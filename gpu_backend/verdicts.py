@@ -190,6 +190,14 @@ class ReplayResult:
         return bool((self.codes() == OK).all())
 
 
+def plan_cache_verdict(held: int, bound: int) -> str | None:
+    """The engine's plan cache, a verdict of its own beside the rows': "growth" when it held
+    more plans than a correctly keyed cache can (`bound`: one per query width and one for
+    prefill, I14), else None. Its consequence is memory, not a kernel access, so no row shows
+    it (TRT-LLM #18557: a per-batch key only adds wrappers)."""
+    return f"growth: {held} plans held, bound {bound}" if held > bound else None
+
+
 def max_ok_error(res: ReplayResult) -> float:
     ok = res.codes() == OK
     return float(res.errors()[ok].max()) if ok.any() else 0.0

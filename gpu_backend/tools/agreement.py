@@ -12,8 +12,9 @@ backends by the agreement matrix.
     python -m gpu_backend.tools.agreement --catalog --out docs/agreement.md [--traces DIR]
                                           [--json OUT.json] [--backends ...]
 
-A fault is confirmed on the GPU when some row of its faulty trace is not ok (nan, mismatch,
-corrupt or fault); a fixed trace must be all ok. The table's summary lines count both per
+A fault is confirmed on the GPU when some verdict of its faulty trace is not ok: a row's (nan,
+mismatch, corrupt or fault) or the plan cache's (growth past I14's bound); a fixed trace must
+be all ok. The table's summary lines count both per
 backend; its `sim vs` column compares the simulator with each backend trace by trace.
 """
 
@@ -29,8 +30,9 @@ from typing import Any
 
 from gpu_backend.replay.run import run_replay, to_json
 from gpu_backend.tools.fidelity import meta as gpu_meta
-from gpu_backend.trace import load_trace
-from gpu_backend.verdicts import DEFAULT_TOL, ReplayResult, max_ok_error
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import DEFAULT_TOL, ReplayResult, max_ok_error, plan_cache_verdict
+from sim.check.view import Model
 
 # Per fault scenario (trace name without .fault/.fixed): what the replay can and cannot show.
 NOTES = {
@@ -40,7 +42,9 @@ NOTES = {
                           "emulates that host check, it has no plans",
     "plan_keyed_by_batch": "no kernel-visible effect: eager TRT-LLM re-plans every cached "
                            "wrapper in prepare() (flashinfer.py _clean_cached_plans), so the "
-                           "per-batch keys only add wrappers (memory: I14's cache bound)",
+                           "per-batch keys only add wrappers: the plan cache's own verdict, "
+                           "growth past I14's bound (FlashInfer: the wrappers held; the CPU "
+                           "reference: the trace's cache size)",
     "double_free": "the second free lands on a block that stays cached; the next request with "
                    "the same prompt reuses it and reads the poisoned pages",
     "draft_past_limit": "RoPE table of max_position_embeddings rows: the engine's K/Q at a "
@@ -68,7 +72,7 @@ def plan_cache_note(row: dict[str, Any]) -> str:
 
 
 def versus_sim(row: dict[str, Any], be: str) -> str:
-    """The simulator's verdict (any violation) against backend `be`'s (any row not ok)."""
+    """The simulator's verdict (any violation) against backend `be`'s (any verdict not ok)."""
     bad = row.get(be)
     if bad is None:
         return "not run"
@@ -81,7 +85,8 @@ def versus_sim(row: dict[str, Any], be: str) -> str:
 
 
 def summary(rows: list[dict[str, Any]], backends: list[str]) -> list[str]:
-    """Catalog lines: faults confirmed (some row not ok) and fixed runs all ok, per backend."""
+    """Catalog lines: faults confirmed (some verdict not ok) and fixed runs all ok, per
+    backend."""
     fault = [r for r in rows if r["trace"].endswith(".fault")]
     fixed = [r for r in rows if r["trace"].endswith(".fixed")]
     if not fault and not fixed:
@@ -93,16 +98,27 @@ def summary(rows: list[dict[str, Any]], backends: list[str]) -> list[str]:
         missed = [r["trace"].removesuffix(".fault") for r in fault if r["trace"].removesuffix(
             ".fault") not in conf]
         ok = sum(1 for r in fixed if r.get(be) == {})
-        out.append(f"- {be}: {len(conf)}/{len(fault)} faulty runs confirmed (a row not ok)"
+        out.append(f"- {be}: {len(conf)}/{len(fault)} faulty runs confirmed (a verdict not ok)"
                    + (f"; not seen: {', '.join(missed)}" if missed else "")
                    + f"; {ok}/{len(fixed)} fixed runs all ok")
     return out
 
 
-def _bad(res: ReplayResult | None) -> dict[str, str]:
+def _bad(res: ReplayResult | None, plan_cache: str | None = None) -> dict[str, str]:
+    """The verdicts that are not ok: each row's by "step,request", and the plan cache's."""
     if res is None:
         return {}
-    return {f"{r.step},{r.request}": r.verdict for r in res.rows if r.verdict != "ok"}
+    bad = {f"{r.step},{r.request}": r.verdict for r in res.rows if r.verdict != "ok"}
+    return bad | ({"plan cache": plan_cache} if plan_cache else {})
+
+
+def plan_cache_held(res: ReplayResult, trace: TraceData) -> str | None:
+    """`plan_cache_verdict` of a replay: the wrapper pairs FlashInfer held (measured), or, on a
+    backend without plans, the engine's cache size as the trace records it."""
+    held = res.stats.get("plan_cache_entries")
+    if held is None:
+        held = max((s.plan_cache_size for s in trace.steps), default=0)
+    return plan_cache_verdict(held, Model.from_dict(trace.manifest["model"]).plan_cache_limit)
 
 
 def _fmt(bad: dict[str, str] | None) -> str:
@@ -136,7 +152,7 @@ def evaluate(traces: list[Path], backends: list[str], expected: dict[str, Any], 
         for be in backends:
             try:
                 res = run_replay(t, be, tol)
-                row[be] = _bad(res)
+                row[be] = _bad(res, plan_cache_held(res, trace))
                 row[f"{be}_noise"] = max_ok_error(res)
                 row[f"{be}_json"] = to_json(res)
                 row[f"{be}_stats"] = res.stats
@@ -160,8 +176,9 @@ def markdown(rows: list[dict[str, Any]], backends: list[str], meta: dict[str, An
               "- measured noise (max |out - ref| over ok rows): "
               + ", ".join(f"{be} {v:.3g}" for be, v in noise.items())]
     lines += summary(rows, backends)
-    lines += ["", "Cells list the rows that are not ok as (step,request) verdict. `sim vs` "
-              "compares the simulator (any violation) with each backend (any row not ok): "
+    lines += ["", "Cells list the rows that are not ok as (step,request) verdict, and the "
+              "plan cache's growth as (plan cache). `sim vs` "
+              "compares the simulator (any violation) with each backend (any verdict not ok): "
               "confirmed, clean, **missed** (flagged, all ok), **unflagged** (not flagged, a row "
               "not ok). `agree`: the backends give the same verdicts (and the expected ones).",
               "",

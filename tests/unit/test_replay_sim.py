@@ -101,9 +101,10 @@ def test_agreement_compares_the_simulator_with_each_backend() -> None:
     assert versus_sim({"trace": "c", "violations": [], "reference": {"1,0": "nan"}},
                       "reference") == "**unflagged**"
     assert summary(rows, ["reference", "flashinfer"]) == [
-        "- reference: 1/2 faulty runs confirmed (a row not ok); not seen: b; 2/2 fixed runs all ok",
-        "- flashinfer: 1/2 faulty runs confirmed (a row not ok); not seen: b; 1/2 fixed runs all "
-        "ok"]
+        "- reference: 1/2 faulty runs confirmed (a verdict not ok); not seen: b; 2/2 fixed runs "
+        "all ok",
+        "- flashinfer: 1/2 faulty runs confirmed (a verdict not ok); not seen: b; 1/2 fixed runs "
+        "all ok"]
     assert plan_cache_note(rows[1]) == "plan cache held: 5 wrapper pairs, 80 MiB device (measured)"
     assert plan_cache_note(rows[0]) == ""
 

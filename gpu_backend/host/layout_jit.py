@@ -105,60 +105,87 @@ def rows(same: bool, r0: int, r1: int, q: int, a: int, p0: int, q_len: np.ndarra
     sh = sh if B == 1 << sh else -1
     m0 = n_mine = n_rej = a
     for r in range(r0, r1):
-        ql, cm = q_len[r], committed[r]
-        # a fill and a loop of its own each: written in one loop (a tuple store), they took 5x
-        # as long at a 64 x 2k prompts' step (113 against 21 µs: LLVM vectorizes these)
-        row_of_token[q: q + ql] = r
-        at = true_pos[q: q + ql]
-        for j in range(ql):
-            at[j] = cm + j
-        if not same:
-            tok_q[q: q + ql] = tokens[a: a + ql]
-        q += ql
-        last = -1  # the truth's block of the last append: its page and checks hold for a run
-        page, mine_ok = -1, False
-        if not same:
-            for j in range(a_len[r]):
-                app_row[a + j] = r
-                app_rope[a + j] = rope_pos[q - ql + j] if j < ql else append_pos[a + j]
-        n, base = a_len[r], indptr[r]
-        rej = new_tokens[r] if is_gen[r] else n  # its appends from here on are rejected drafts
-        j = 0
-        while j < n:
-            # a run of appends at consecutive positions in one table entry and one truth block:
-            # one engine page, one truth page, one verdict (a prompts' step's 131k appends are
-            # ~8k runs)
-            ap, tp = append_pos[a], cm + j
-            blk, slot = _div(tp, B, sh), _div(ap, B, sh)
-            k = min(n - j, (slot + 1) * B - ap, (blk + 1) * B - tp)
-            m = 1
-            while m < k and append_pos[a + m] == ap + m:
-                m += 1
-            e = _engine(ind, base + slot, guard, n_ind)
-            # the truth: true position committed + j lands in alloc[pos // B]
-            if blk != last:  # once a page, not once a token (0.62x this pass at 128 x 8k)
-                last, page = blk, -1
-                if blk < alloc_len[r] and len(alloc):
-                    page = alloc[min(p0 + blk, len(alloc) - 1)]
-                page = page + guard if page >= 0 else -1
-                mine_ok = page >= 0 and blk >= lead[r] and not has(shared, page - guard)
-                # a page's tokens come in a run: the unique below sorts ~a page count
-                if mine_ok and (n_mine == m0 or mine[n_mine - 1] != page):
-                    mine[n_mine] = page
-                    n_mine += 1
-            ok = mine_ok and e == page
-            if not ok and e >= 0:
-                ok = _owns(alloc, p0, alloc_len[r], lead[r], shared, e - guard)
-            eng[a: a + m] = e
-            write_ok[a: a + m] = ok
-            if page >= 0:
-                for t in range(max(j, rej), j + m):
-                    rej_page[n_rej], rej_slot[n_rej] = page, cm + t - blk * B
-                    n_rej += 1
-            a += m
-            j += m
+        _row_queries(same, r, q, a, q_len, a_len, append_pos, rope_pos, tokens, committed,
+                     row_of_token, true_pos, tok_q, app_row, app_rope)
+        q += q_len[r]
+        a, n_mine, n_rej = _row_appends(r, a, p0, m0, n_mine, n_rej, a_len, append_pos,
+                                        committed, alloc, alloc_len, lead, is_gen, new_tokens,
+                                        indptr, ind, shared, B, sh, guard, n_ind, eng, write_ok,
+                                        mine, rej_page, rej_slot)
         p0 += alloc_len[r]
     return n_mine, n_rej
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _row_queries(same: bool, r: int, q: int, a: int, q_len: np.ndarray, a_len: np.ndarray,
+                 append_pos: np.ndarray, rope_pos: np.ndarray, tokens: np.ndarray,
+                 committed: np.ndarray, row_of_token: np.ndarray, true_pos: np.ndarray,
+                 tok_q: np.ndarray, app_row: np.ndarray, app_rope: np.ndarray) -> None:
+    """`rows`' per-query arrays of row r (its first query q, first append a)."""
+    ql, cm = q_len[r], committed[r]
+    # a fill and a loop of its own each: written in one loop (a tuple store), they took 5x
+    # as long at a 64 x 2k prompts' step (LLVM vectorizes these)
+    row_of_token[q: q + ql] = r
+    at = true_pos[q: q + ql]
+    for j in range(ql):
+        at[j] = cm + j
+    if not same:
+        tok_q[q: q + ql] = tokens[a: a + ql]
+        for j in range(a_len[r]):
+            app_row[a + j] = r
+            app_rope[a + j] = rope_pos[q + j] if j < ql else append_pos[a + j]
+
+
+@nb.njit(cache=True, nogil=True, inline="always")
+def _row_appends(r: int, a: int, p0: int, m0: int, n_mine: int, n_rej: int,
+                 a_len: np.ndarray, append_pos: np.ndarray, committed: np.ndarray,
+                 alloc: np.ndarray, alloc_len: np.ndarray, lead: np.ndarray,
+                 is_gen: np.ndarray, new_tokens: np.ndarray, indptr: np.ndarray,
+                 ind: np.ndarray, shared: np.ndarray, B: int, sh: int, guard: int, n_ind: int,
+                 eng: np.ndarray, write_ok: np.ndarray, mine: np.ndarray,
+                 rej_page: np.ndarray, rej_slot: np.ndarray) -> tuple[int, int, int]:
+    """`rows`' per-append arrays of row r (its first append a, its truth blocks from alloc[p0]):
+    returns the next row's first append and where mine and rej_* end."""
+    cm = committed[r]
+    last = -1  # the truth's block of the last append: its page and checks hold for a run
+    page, mine_ok = -1, False
+    n, base = a_len[r], indptr[r]
+    rej = new_tokens[r] if is_gen[r] else n  # its appends from here on are rejected drafts
+    j = 0
+    while j < n:
+        # a run of appends at consecutive positions in one table entry and one truth block:
+        # one engine page, one truth page, one verdict (a prompts' step's appends come in
+        # runs of a page)
+        ap, tp = append_pos[a], cm + j
+        blk, slot = _div(tp, B, sh), _div(ap, B, sh)
+        k = min(n - j, (slot + 1) * B - ap, (blk + 1) * B - tp)
+        m = 1
+        while m < k and append_pos[a + m] == ap + m:
+            m += 1
+        e = _engine(ind, base + slot, guard, n_ind)
+        # the truth: true position committed + j lands in alloc[pos // B]
+        if blk != last:  # once a page, not once a token
+            last, page = blk, -1
+            if blk < alloc_len[r] and len(alloc):
+                page = alloc[min(p0 + blk, len(alloc) - 1)]
+            page = page + guard if page >= 0 else -1
+            mine_ok = page >= 0 and blk >= lead[r] and not has(shared, page - guard)
+            # a page's tokens come in a run: the unique below sorts ~a page count
+            if mine_ok and (n_mine == m0 or mine[n_mine - 1] != page):
+                mine[n_mine] = page
+                n_mine += 1
+        ok = mine_ok and e == page
+        if not ok and e >= 0:
+            ok = _owns(alloc, p0, alloc_len[r], lead[r], shared, e - guard)
+        eng[a: a + m] = e
+        write_ok[a: a + m] = ok
+        if page >= 0:
+            for t in range(max(j, rej), j + m):
+                rej_page[n_rej], rej_slot[n_rej] = page, cm + t - blk * B
+                n_rej += 1
+        a += m
+        j += m
+    return a, n_mine, n_rej
 
 
 @nb.njit(cache=True, inline="always")

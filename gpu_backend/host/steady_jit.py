@@ -329,7 +329,17 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
         return sat + R, cap, len(tset), wpages, wcheck, wok
     room[size: sat] = 0
     _field(room, sat, seq)
-    block = room[:size]
+    _write_block(room[:size], at, n, R, words, tok_m, pos_m, tslot, true_pos, app_row,
+                 append_pos, qo, kv_indptr, last_page_len, g0_slots, g0_limit, tset, wpages,
+                 wcheck, step, prows, plan, kv_indices)
+    return size, cap, len(tset), wpages, wcheck, wok
+
+
+@nb.njit(cache=True, inline="always")
+def _write_block(block, at, n, R, words, tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo,
+                 kv_indptr, last_page_len, g0_slots, g0_limit, tset, wpages, wcheck, step, prows,
+                 plan, kv_indices):  # pragma: no cover  (compiled)
+    """`_pack`'s fields into the block, each at its offset `at` (`graph_block.offsets`)."""
     # past each field's values up to the next field, zeros (padding, params' last two words,
     # the capacities' unused part): the rest of the block is written once, not zeroed first
     filled = (n, n, n, n, n, n, R + 1, R + 1, R, R, n, 6, len(tset), len(wpages), len(prows),
@@ -357,14 +367,13 @@ def _pack(tok_m, pos_m, tslot, true_pos, app_row, append_pos, qo, kv_indptr, las
     _field(block, at[14], prows)
     _field(block, at[15], plan)
     _field(block, at[16], kv_indices)
-    return size, cap, len(tset), wpages, wcheck, wok
 
 
 @nb.njit(cache=True)
-def steady_pass(q_len, a_len, append_pos, rope_pos, tokens, committed, alloc, alloc_len, lead,
-           is_gen, new_tokens, starts, pages_len, pages, is_ctx, last_page_len, kv_len, shared,
-           B, guard, slots, prows, touched, step, plan_args, room
-           ):  # pragma: no cover  (compiled; its oracle is `build_step` + `steady_jit.packed`)
+def steady_pass(q_len, a_len, append_pos, rope_pos, tokens, committed, alloc, alloc_len,
+                lead, is_gen, new_tokens, starts, pages_len, pages, is_ctx, last_page_len,
+                kv_len, shared, B, guard, slots, prows, touched, step, plan_args, room
+                ):  # pragma: no cover  (compiled; its oracle is `build_step` + `steady_jit.packed`)
     """`layout_jit`'s twelve arrays (`layout._FLAT`), the int32 kv_indptr, last_page_len and
     kv_len, the rows' one width (`one_width`), then `steady_jit._steady`'s outputs when the
     step is steady (its queries its appends, one width): else a block of 0 words."""

@@ -3,7 +3,7 @@
 Why: a read-back of 16 generation steps at batch 64 x kv 2k (4k tokens) took the numpy judge
 ~0.23 ms of host on a development machine, ~15 numpy calls and two loops over the steps in
 Python, on the replay loop's thread. Here one call walks the steps' rows and their tokens. The
-numpy judge stays as its oracle (`verdicts.judge_numpy`, tests/unit/test_judgek.py).
+numpy judge stays as its oracle (`verdicts.judge_numpy`, tests/unit/test_verdicts_jit.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from gpu_backend.host.staging import StepArrays
 
 
 @functools.lru_cache(maxsize=1)
-def _refattn() -> ModuleType | None:
+def triton_kernels() -> ModuleType | None:
     """gpu_backend.device.reference_triton, or None without Triton (the CPU, a GPU image without
     it)."""
     try:
@@ -166,7 +166,7 @@ def join(side: torch.cuda.Stream | None) -> None:
 def together(device: torch.device | str) -> bool:
     """Whether a step's context rows share one reference launch: only `reference_triton.attend_rows`
     takes such a group, on CUDA."""
-    return torch.device(device).type == "cuda" and _refattn() is not None
+    return torch.device(device).type == "cuda" and triton_kernels() is not None
 
 
 def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
@@ -177,7 +177,7 @@ def reference(truth: TruthStore, dv: StepArrays, groups: list[RefGroup],
     `attend` over the group's truth K/V. out: where the launches write it, if given (fp32
     [nnz_q, Hq, D]; the torch path may return another tensor)."""
     n, Hq, D = q.shape
-    fused = _refattn() if q.is_cuda else None
+    fused = triton_kernels() if q.is_cuda else None
     if fused is not None and not fused.supported(q, truth.kv):
         fused = None
     for g in groups:
@@ -249,7 +249,7 @@ def unwritten(q: torch.Tensor) -> torch.Tensor:
 def token_errors(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """[2, nnz_q] fp32 on the device: max |out - ref| per token (NaN where either holds a NaN),
     and max ref per token (NaN where the reference does)."""
-    fused = _refattn() if out.is_cuda else None
+    fused = triton_kernels() if out.is_cuda else None
     if fused is not None:  # one launch instead of six
         return fused.token_errors(out, ref)
     err = (out - ref).abs_().flatten(1).amax(1)

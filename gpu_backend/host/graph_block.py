@@ -245,7 +245,7 @@ def agrees(lay: Layout, info: list[int], theirs: np.ndarray, kv_indptr: np.ndarr
 
 # the block's fields in order: (field, the step's array staged for it, how the kernels read it:
 # "f" float64, "i" int64, "w" int32); "g0_" is the reference's one group (`batch.RefGroup`).
-# `steady_jit._pack` writes the same layout in its compiled pass (tests/unit/test_blockpack.py
+# `steady_jit._pack` writes the same layout in its compiled pass (tests/unit/test_steady_block.py
 # holds the two to the same words)
 _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("tslot", "tslot", "i"), ("true_pos", "true_pos", "i"), ("app_row", "app_row", "w"),
@@ -257,7 +257,7 @@ _FIELDS = (("app_tok_m", "app_tok_m", "f"), ("app_pos_m", "app_pos_m", "f"),
            ("plan", "gr_plan", "w"), ("kv_indices", "kv_indices", "w"))
 
 # gr_params: the counts and step numbers the graph's page checks read on the device
-# (poolk's PARAMS: touched pages, target pages, targets to check, step, previous step, rows)
+# (pool_triton's PARAMS: touched pages, target pages, targets to check, step, previous step, rows)
 _PARAMS = 8
 
 # gr_plan: FA2's plan, the int workspace's bytes as int32 words (`graph_block.image`), each staged

@@ -19,8 +19,8 @@ between and around them on a development machine (the engine's flat table, three
 copies, the launch run, the steadiness checks, ~20 of the batch's arrays unboxed again for
 the second call), ~3x that on the H200's host, where a 64 x 2k generation step's preparation
 is most of the replay's host time. The batch and the block are the ones the two calls make:
-tests/unit/test_blockpack.py holds every step of the replay test traces to the words, views,
-keys and host state of `prepare`'s general way, and test_steadystep.py each batch to
+tests/unit/test_steady_block.py holds every step of the replay test traces to the words, views,
+keys and host state of `prepare`'s general way, and test_steady_batch.py each batch to
 `build_step`'s.
 """
 

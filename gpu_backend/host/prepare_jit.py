@@ -9,7 +9,7 @@ development machine and 0.5-0.9 ms on the H200's hosts, longer than
 the device's ~0.35 ms step, spread over ~150 small numpy calls of a few µs each (each cheap
 alone, dear in a loop whose arrays are cold in the cache). These passes replace the largest
 groups of them, one call each. The numpy code each replaces stays beside its caller as the
-oracle it is tested against (tests/unit/test_prepk.py).
+oracle it is tested against (tests/unit/test_prepare_jit.py).
 
 A step's block events as pool operations in one compiled pass, for the usual generation
 step: its events poison or keep pages, no block is shared or copied, no free is a double free.
@@ -18,7 +18,7 @@ Why: `events.event_ops` walks a 64 x 2k generation step's ~10 events in Python, 
 `events.join_rewind` turns the poisoned pages into pool rows behind the last step's rewound
 slots: ~12 µs of a ~75 µs preparation on a development machine, ~35 on the H200's host.
 Here that is one call. `event_ops` and `join_rewind` stay as the oracle: tests/unit/
-test_eventsk.py holds every step of the replay test traces to them (the ops, their arrays,
+test_events_jit.py holds every step of the replay test traces to them (the ops, their arrays,
 the touched pages, the shared blocks after).
 """
 

@@ -8,7 +8,7 @@ plan, the block's padded fields, then ~20 staged arrays) took ~170 µs of a ~380
 preparation on a development machine, in ~70 numpy calls and `Chunk.add`s of a few µs each.
 Here the block is one int64 array written field by field and staged with one `Chunk.add`: the
 same words at the same offsets, the same views (`staged`). `prepare`'s own way stays as the
-oracle (tests/unit/test_blockpack.py holds every step of the replay test traces to its words,
+oracle (tests/unit/test_steady_block.py holds every step of the replay test traces to its words,
 views and groups).
 """
 
@@ -39,7 +39,7 @@ def steady(b: StepBatch) -> bool:
     """Whether step b has the steady MTP step's shape that `packed` takes (it checks the rest):
     FA2, one verify launch over every row, its queries its appends, planned for itself, short
     enough for the compiled passes. `prepare` checks it before it has a batch (`may`, then
-    in its compiled call); tests/unit/test_steadystep.py holds every step it packs to this."""
+    in its compiled call); tests/unit/test_steady_batch.py holds every step it packs to this."""
     runs = b.runs
     return (b.backend == "fa2" and len(runs) == 1 and runs[0][2] == "verify"
             and b.num_tokens == len(b.app_tokens) and prepare_jit.takes(len(b.engine_write))

@@ -3,7 +3,7 @@ numpy's general ones at its sizes (tens to a million values a step).
 
 The pages a step's appends target, for the page watch (`watch.IncrementalWatch`): which it
 checks, and on which a moved checksum blames nobody. One compiled pass (`prepare_jit.targets`) where
-the step is long enough to pay its call, else numpy (its oracle, tests/unit/test_prepk.py).
+the step is long enough to pay its call, else numpy (its oracle, tests/unit/test_prepare_jit.py).
 
 The truth side of a step's preparation (`gpu_backend.host.prepare`): the truth store's shape, the
 live requests' slots in it (admission with their prefixes, release after their last step), and

@@ -11,7 +11,7 @@ python -m gpu_backend.tools.fidelity TRACE_DIR --calibration calibration/h200.js
 bench/results/cost_fidelity_h200.md
                                [--max-steps N] [--warmup N]
 
-Measured: the replay (`gpu_backend.driver.replay`, FlashInfer) with `attn_timing`: CUDA events
+Measured: the replay (`gpu_backend.replay.loop.replay`, FlashInfer) with `attn_timing`: CUDA events
 around each attention launch of a step (append excluded), summed per step, after a warm-up pass
 (JIT, plans). Predicted: `RooflineCost._attention_ns` with the calibration table (`sim/cost`: gen
 rows one decode/verify launch at max q_len and mean kv_len, ctx rows one prefill launch) for one

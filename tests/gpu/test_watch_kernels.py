@@ -57,9 +57,9 @@ def test_resum_pre_and_post_check_kernels_are_the_torch_path(
         monkeypatch: pytest.MonkeyPatch, off: int | None, stray: int | None,
         flagged: bool) -> None:
     got = []
-    real = reference._refattn
+    real = reference.triton_kernels
     for fused in (True, False):
-        monkeypatch.setattr(reference, "_refattn", real if fused else lambda: None)
+        monkeypatch.setattr(reference, "triton_kernels", real if fused else lambda: None)
         pool = KVPool(200, 4, 16, 2, 64, torch.bfloat16, "cuda")
         g = torch.Generator(device="cuda").manual_seed(3)
         pool.data.copy_(torch.randn(pool.data.shape, device="cuda", generator=g))

@@ -365,7 +365,7 @@ def test_the_fresh_pools_dropped_poison_is_never_made_rows(tmp_path: Path,
         return real(st, ops, *a)
 
     monkeypatch.setattr(events, "join_rewind", kept)
-    monkeypatch.setattr(events.eventsk, "pool_ops", lambda *a: None)  # all `join_rewind`
+    monkeypatch.setattr("gpu_backend.host.prepare_jit.pool_ops", lambda *a: None)  # all join_rewind
     steps = list(prepared_steps(t, _state(t), "cpu"))
     assert len(given) == len(steps) > 1
     assert not given[0] or given[0][0][0] != "nan"

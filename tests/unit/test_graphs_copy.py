@@ -1,5 +1,5 @@
 """gpu_backend/device/graphs.py's bounds, checked before any copy is queued (the copies themselves
-run on the GPU: tests/gpu/test_rawcopy_gpu.py)."""
+run on the GPU: tests/gpu/test_graphs_copy_gpu.py)."""
 
 from __future__ import annotations
 

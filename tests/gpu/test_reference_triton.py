@@ -25,12 +25,12 @@ DEV = "cuda"
 @pytest.fixture
 def fused() -> Iterator[ModuleType]:
     mod = pytest.importorskip("gpu_backend.device.reference_triton")
-    assert reference._refattn() is mod
+    assert reference.triton_kernels() is mod
     yield mod
 
 
 def _torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reference, "_refattn", lambda: None)  # as where Triton is missing
+    monkeypatch.setattr(reference, "triton_kernels", lambda: None)  # as where Triton is missing
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ device sync, every step, as `bench/gpu_replay.py`'s `whole`; one warm-up replay 
 
 `--set MODULE.NAME=VALUE` sets an attribute of a `gpu_backend` module (VALUE a Python literal)
 for B's replays only; repeat it for several. The JSON keeps every wall, the medians, B's median
-over A's, how many pairs B finished first, the steps each prepared ahead (`loop.Ahead`), and
+over A's, how many pairs B finished first, the steps each prepared ahead (`loop.ReadySteps`), and
 whether both gave the same rows.
 """
 

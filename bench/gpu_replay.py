@@ -147,7 +147,7 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     step's preparation, the pool's set-up), against every step's kernels; the median of `reps`
     passes. `first_gen_ms`: from the call to the first generation step's start (the prompts'
     step and what the host does before and while it runs). `prepared_ahead`: the steps the
-    loop's own preparation got ahead while it would have waited for the device (`loop.Ahead`),
+    loop's own preparation got ahead while it would have waited for the device (`loop.ReadySteps`),
     per pass. `host_ms`: `environment.host_speed` just before each pass (a slow host's pass
     shows there)."""
     walls, firsts, ahead, host = [], [], [], []

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from gpu_backend import verdicts_jit
-from gpu_backend.device.graphs import Boxed
+from gpu_backend.device.graphs import ArenaResults
 from gpu_backend.device.watch import IncrementalWatch, Unseen, Watch
 from gpu_backend.host.batch import StepBatch
 from gpu_backend.host.prepare import Prepared
@@ -206,11 +206,11 @@ def max_ok_error(res: ReplayResult) -> float:
 @dataclass
 class Pending:
     """A step whose verdicts are still on the device: per-token errors and moved pages (the
-    watch's form; a graph step's both in the loop's arena, `Boxed`), or the fault message that
-    replaces them."""
+    watch's form; a graph step's both in the loop's arena, `ArenaResults`), or the fault message
+    that replaces them."""
     p: Prepared
-    tok: torch.Tensor | Boxed | None
-    changed: torch.Tensor | Boxed | None
+    tok: torch.Tensor | ArenaResults | None
+    changed: torch.Tensor | ArenaResults | None
     fault: str = ""
 
 
@@ -219,7 +219,7 @@ class Sent:
     """Pending steps whose device data is on its way to the host: per-token errors and moved
     pages concatenated over the steps, copied into pinned memory behind the steps' work;
     `ready` fires when the copies are done (None: the data is already on the host). Steps whose
-    results are all in one arena (`Boxed`) come home as its span in one copy: `home`, (the
+    results are all in one arena (`ArenaResults`) come home as its span in one copy: `home`, (the
     bytes, the arena offset they start at)."""
     steps: list[Pending]
     toks: torch.Tensor | None
@@ -235,14 +235,14 @@ def send(pending: list[Pending], stale: torch.Tensor | None = None) -> Sent:
     """Queue the read-back of the pending steps' verdict data (no wait) and clear `pending`;
     stale: the watch's flag (`Watch.stale`), read back with them."""
     first = pending[0].tok if pending else None
-    if isinstance(first, Boxed) and all(isinstance(x.tok, Boxed) and x.tok.arena is first.arena
-                                        for x in pending):
+    if isinstance(first, ArenaResults) and all(
+            isinstance(x.tok, ArenaResults) and x.tok.arena is first.arena for x in pending):
         last = pending[-1].tok
-        assert isinstance(last, Boxed)
+        assert isinstance(last, ArenaResults)
         out = Sent(list(pending), None, None, None,
                    (_to_host(first.arena[first.off: last.end]), first.off))
     else:  # steps run eagerly among them, or arenas apart: each step's results as tensors
-        steps = [_unboxed(x) for x in pending]
+        steps = [_as_tensors(x) for x in pending]
         toks = [x.tok for x in steps if isinstance(x.tok, torch.Tensor)]
         moved = [x.changed for x in steps if isinstance(x.changed, torch.Tensor)]
         out = Sent(steps, _to_host(torch.cat(toks, 1)) if toks else None,
@@ -257,8 +257,8 @@ def send(pending: list[Pending], stale: torch.Tensor | None = None) -> Sent:
     return out
 
 
-def _unboxed(x: Pending) -> Pending:
-    if not isinstance(x.tok, Boxed):
+def _as_tensors(x: Pending) -> Pending:
+    if not isinstance(x.tok, ArenaResults):
         return x
     tok, moved = x.tok.tensors()
     return Pending(x.p, tok, moved, x.fault)
@@ -313,7 +313,7 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
         at = off = 0
         for x in live:
             assert x.changed is not None  # a step that ran has both (`Pending`)
-            n = x.changed.w if isinstance(x.changed, Boxed) else int(x.changed.numel())
+            n = x.changed.w if isinstance(x.changed, ArenaResults) else int(x.changed.numel())
             rows = x.p.b.num_rows
             if suspect[at: at + n].any():
                 bad = blame(x.p.b, watch.changed_pages(x.p, moved[at: at + n]))
@@ -327,12 +327,12 @@ def _verdicts(res: ReplayResult, s: Sent, watch: Watch) -> None:
 
 def _home(s: Sent) -> tuple[np.ndarray | None, np.ndarray]:
     """The read-back's token errors [2, its steps' tokens] (None: no step ran) and moved
-    flags, on the host: an arena's span cut into its steps' parts (`Boxed.host`)."""
+    flags, on the host: an arena's span cut into its steps' parts (`ArenaResults.host`)."""
     if s.home is None:
         return (s.toks.numpy() if s.toks is not None else None,
                 s.moved.numpy() if s.moved is not None else np.zeros(0, dtype=bool))
     buf, at = s.home[0].numpy(), s.home[1]
-    parts = [x.tok.host(buf, at) for x in s.steps if isinstance(x.tok, Boxed)]
+    parts = [x.tok.host(buf, at) for x in s.steps if isinstance(x.tok, ArenaResults)]
     return (np.concatenate([t for t, _ in parts], axis=1),
             np.concatenate([m for _, m in parts]))
 

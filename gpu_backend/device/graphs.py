@@ -106,7 +106,7 @@ def into(dst: torch.Tensor, src: torch.Tensor, offset: int, stream: torch.cuda.S
 
 
 @dataclass
-class Boxed:
+class ArenaResults:
     """Bytes [off, off + 8n + w) of `arena`: token errors [2, n] fp32 (`reference.token_errors`),
     then the moved flags of the step's w target pages (bool)."""
     arena: torch.Tensor  # uint8, on the device
@@ -134,7 +134,7 @@ class Boxed:
 
 class Arena:
     """The device bytes the graph steps' results are copied into, step after step, each 8-byte
-    aligned. A full or sealed arena is left to the read-backs that hold its steps (`Boxed`):
+    aligned. A full or sealed arena is left to the read-backs that hold its steps (`ArenaResults`):
     the caching allocator reuses it once they are gone, in stream order."""
 
     def __init__(self, steps: int):
@@ -143,7 +143,7 @@ class Arena:
         self.used = 0
 
     def put(self, out: torch.Tensor, nbytes: int, n: int, w: int,
-            stream: torch.cuda.Stream) -> Boxed:
+            stream: torch.cuda.Stream) -> ArenaResults:
         """out's first nbytes (token errors [2, n] fp32, moved flags [w]) copied in."""
         if self.mem is None or self.used + nbytes > self.mem.numel():
             self.mem = torch.empty(self.steps * (nbytes + 8), dtype=torch.uint8,
@@ -152,12 +152,14 @@ class Arena:
         off = self.used
         d2d(self.mem.data_ptr() + off, out.data_ptr(), nbytes, stream)
         self.used = off + nbytes + (-nbytes % 8)
-        return Boxed(self.mem, off, n, w)
+        return ArenaResults(self.mem, off, n, w)
 
     def seal(self) -> None:
         self.mem = None
-# a graph step's results are copied into the loop's arena (`Boxed`: one copy a step, no tensor
-# made for them; a read-back copies the arena's span home at once)
+
+
+# a graph step's results are copied into the loop's arena (`ArenaResults`: one copy a step, no
+# tensor made for them; a read-back copies the arena's span home at once)
 ARENA_STEPS = 24  # steps' results an arena holds (a read-back takes `loop.EARLY`)
 
 
@@ -197,7 +199,7 @@ class StepGraphs:
                 "graph_captures": self.captures, "eager_fallbacks": self.fallbacks,
                 "plan_mismatches": len(self.mismatched)}
 
-    def run(self, p: Any) -> Boxed | tuple[torch.Tensor, torch.Tensor | None] | None:
+    def run(self, p: Any) -> ArenaResults | tuple[torch.Tensor, torch.Tensor | None] | None:
         """Run step p: its results, or None: run it eagerly, events and all (its plan does not
         fit its graph). The results: per-token errors [2, nnz_q] fp32 as
         `reference.token_errors`, then its targets' moved flags [len(p.wpages)] bool with the

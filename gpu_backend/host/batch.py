@@ -131,8 +131,6 @@ class RefGroup:
         return self.identity or (self.R == 1 and self.span is not None)
 
 
-
-
 # a step's rows as arrays (`columns`, or `TraceData.columns` from the trace's Arrow columns)
 SCALARS = ("q_len", "kv_indptr", "committed", "new_tokens", "request", "last_page_len", "kv_len",
            "shared_blocks")

@@ -232,7 +232,6 @@ def _fill(kv_indptr: np.ndarray, B: int, W: int, tiles: int, max_batch: int, pad
     return True
 
 
-
 def agrees(lay: Layout, info: list[int], theirs: np.ndarray, kv_indptr: np.ndarray) -> bool:
     """This port's plan for page offsets `kv_indptr` is FlashInfer's: its plan info `info`
     (`PrefillPlanInfo::ToVector`) and its pinned buffer's bytes `theirs` (uint8), wherever the

@@ -30,6 +30,7 @@ from sim.errors import TraceError
 if TYPE_CHECKING:
     from gpu_backend.host.prepare import HostState
 
+
 def unique(x: np.ndarray, collapse: bool = True) -> np.ndarray:
     """np.unique of an integer array, by a sort: numpy 2.4's hashing np.unique took 0.7 ms for
     8k page ids that sort in 0.04 ms, and 22 µs for 300 values against 4 this way, on a

@@ -25,7 +25,7 @@ halve), so the host, once it has queued the last step, judges most of them while
 runs the last ones (a 12-step replay at 64 x 2k judged its 11 generation steps after the
 device's end: 0.4 ms).
 The host waits for all of it every FLUSH steps and at the end. Before either wait, the loop's
-own preparation gets ahead by as many steps as the device's work lets it (`Ahead`, at most
+own preparation gets ahead by as many steps as the device's work lets it (`ReadySteps`, at most
 BANK).
 
 The replay loop's prepared steps (`loop._loop`), some pulled ahead while the host would
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from gpu_backend.device import reference as reference_mod
-from gpu_backend.device.graphs import Boxed, StepGraphs
+from gpu_backend.device.graphs import ArenaResults, StepGraphs
 from gpu_backend.device.pool import KernelFault, Kernels, KVPool, content_kv_q, torch_dtype
 from gpu_backend.device.reference import TruthStore, beside, join, reference, token_errors
 from gpu_backend.device.watch import FullWatch, IncrementalWatch, Unseen, Watch
@@ -136,7 +136,7 @@ def _replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol:
     res = ReplayResult(kernels.name, str(trace.path), tol)
     # the first step deferred: its content and reference run before the rest is prepared
     with closing(prepared_steps(trace, state, device, defer=True)) as steps:
-        ahead = Ahead(steps, BANK)
+        ahead = ReadySteps(steps, BANK)
         _loop(trace, kernels, truth, rig, ahead, res, skip, on_step)
     r = rig()
     res.watch = r.watch.name
@@ -170,10 +170,10 @@ def _reference_beside(kernels: Kernels, device: torch.device | str) -> bool:
 
 
 def _loop(trace: TraceData, kernels: Kernels, truth: TruthStore, rig: Callable[[], Rig],
-          steps: Ahead, res: ReplayResult, skip: dict[int, str],
+          steps: ReadySteps, res: ReplayResult, skip: dict[int, str],
           on_step: Callable[[int, str], None] | None) -> None:
     """Every prepared step: queue its device work, read back and judge the steps before it.
-    Where the host would wait for the device, it prepares steps ahead instead (`Ahead`).
+    Where the host would wait for the device, it prepares steps ahead instead (`ReadySteps`).
     rig: the pool, watch and graphs, made on its first call (`Rig`)."""
     pending: list[Pending] = []
     sent: deque[Sent] = deque()
@@ -246,7 +246,7 @@ def _graph_step(graphs: StepGraphs, r: Rig, p: Prepared, nxt: Prepared | None
             return None
         assert isinstance(watch, IncrementalWatch)
         watch.after_graph(p, nxt is None)
-        if isinstance(got, Boxed):  # its results in the loop's arena
+        if isinstance(got, ArenaResults):  # its results in the loop's arena
             return Pending(p, got, got)
         tok, moved = got
         assert moved is not None
@@ -256,7 +256,7 @@ def _graph_step(graphs: StepGraphs, r: Rig, p: Prepared, nxt: Prepared | None
     got = graphs.run(p)
     if got is None:
         return _one_step(lambda: r, graphs.truth, graphs.k, p, {}, graphs.hq)(nxt)
-    assert not isinstance(got, Boxed)  # an arena only with the incremental watch
+    assert not isinstance(got, ArenaResults)  # an arena only with the incremental watch
     return Pending(p, got[0], watch.after_kernels(p, nxt, nxt is None))
 
 
@@ -347,7 +347,7 @@ BANK_WORDS = 1 << 25  # int64 words of the banked steps' chunks, at most (256 Mi
 # much on the device), besides the bank's steps (`loop.BANK`)
 
 
-class Ahead:
+class ReadySteps:
     """The prepared steps in order, some pulled ahead of the loop (at most `bank`) while the
     host would otherwise wait for the device (`fill`)."""
 

@@ -1,5 +1,5 @@
 """The loop's own preparation gets ahead while the host would wait for the device
-(`loop.Ahead`): the same rows as a loop that only waits."""
+(`loop.ReadySteps`): the same rows as a loop that only waits."""
 
 from __future__ import annotations
 

@@ -160,13 +160,13 @@ def test_the_replay_leaves_its_heap_untrimmed(tmp_path: Path,
     assert calls == [0]  # the default still trims
 
 
-def _boxed(pending: list[Any], mode: str) -> list[Any]:
-    """The steps' results moved into arenas as a CUDA graph step leaves them (`Boxed`, the
+def _in_arena(pending: list[Any], mode: str) -> list[Any]:
+    """The steps' results moved into arenas as a CUDA graph step leaves them (`ArenaResults`, the
     bytes `graphs.Arena.put` copies): "one" arena for all, two "halves", or every
     other step ("mixed"; the others keep their tensors, as eager steps do)."""
     import torch
 
-    from gpu_backend.device.graphs import Boxed
+    from gpu_backend.device.graphs import ArenaResults
 
     out, arena, used = [], None, 0
     for i, x in enumerate(pending):
@@ -179,7 +179,7 @@ def _boxed(pending: list[Any], mode: str) -> list[Any]:
         n, w = int(x.tok.shape[1]), int(x.changed.numel())
         arena[used: used + 8 * n] = x.tok.contiguous().view(torch.uint8).flatten()
         arena[used + 8 * n: used + 8 * n + w] = x.changed.view(torch.uint8)
-        box = Boxed(arena, used, n, w)
+        box = ArenaResults(arena, used, n, w)
         out.append(verdicts_mod.Pending(x.p, box, box, x.fault))
         used += 8 * n + w + (-(8 * n + w) % 8)
     return out
@@ -198,13 +198,13 @@ def test_results_read_back_from_an_arena_are_judged_as_tensors_are(
     send = verdicts_mod.send
     homes: list[bool] = []
 
-    def boxed_send(pending: list[Any], *flag: Any) -> Any:
-        s = send(_boxed(pending, mode), *flag)
+    def arena_send(pending: list[Any], *flag: Any) -> Any:
+        s = send(_in_arena(pending, mode), *flag)
         homes.append(s.home is not None)
         pending.clear()
         return s
 
-    monkeypatch.setattr(loop, "send", boxed_send)
+    monkeypatch.setattr(loop, "send", arena_send)
     monkeypatch.setattr(loop, "EARLY", 4)
     assert _rows(_replay(trace)) == want
     assert any(homes) if mode == "one" else not all(homes)

@@ -425,7 +425,7 @@ class _Busy:
     (50, 8, 250, 4)])  # the chunk that crosses the words is the last
 def test_the_loop_prepares_ahead_while_the_device_is_busy(
         monkeypatch: pytest.MonkeyPatch, busy: int, bank: int, words: int, banked: int) -> None:
-    """`loop.Ahead` pulls steps while the awaited event has not fired, up to its bank (in
+    """`loop.ReadySteps` pulls steps while the awaited event has not fired, up to its bank (in
     steps, and in words of their chunks) and the trace's end, and hands every step out once,
     in order."""
     from types import SimpleNamespace
@@ -441,7 +441,7 @@ def test_the_loop_prepares_ahead_while_the_device_is_busy(
             pulled.append(i)
             yield SimpleNamespace(i=i, dv=SimpleNamespace(chunk=chunks[i // 2]))
 
-    ahead = loop.Ahead(steps(), bank)  # type: ignore[arg-type]
+    ahead = loop.ReadySteps(steps(), bank)  # type: ignore[arg-type]
     assert ahead.next().i == 0  # type: ignore[union-attr]
     ahead.fill(_Busy(busy))  # type: ignore[arg-type]
     assert len(ahead.banked) == ahead.pulled == banked and len(pulled) == 1 + banked

@@ -68,7 +68,7 @@ from typing import Any
 import torch
 from environment import host_speed
 
-from gpu_backend.host import prepare
+from gpu_backend.replay import loop
 from gpu_backend.replay.flashinfer import FlashInferKernels
 from gpu_backend.replay.loop import replay
 from gpu_backend.tools.fidelity import meta
@@ -95,7 +95,7 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
     marks: dict[str, float] = {}
     prep = {"on": 0.0, "s": 0.0, "pre": 0.0}
     k = _kernels(trace)
-    real = prepare.prepared_steps
+    real = loop.prepared_steps
 
     def timed_steps(*a: Any, **kw: Any) -> Any:
         if ahead:  # every step prepared before the replay starts
@@ -122,11 +122,11 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
             marks["wait_" + what] = k.wait_s
             prep["on"] = float(what == "start")
 
-    prepare.prepared_steps = timed_steps  # type: ignore[assignment]
+    loop.prepared_steps = timed_steps  # type: ignore[assignment]
     try:
         res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
     finally:
-        prepare.prepared_steps = real  # type: ignore[assignment]
+        loop.prepared_steps = real  # type: ignore[assignment]
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
             (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res,

@@ -24,10 +24,6 @@ from gpu_backend.device import reference
 from gpu_backend.host.batch import StepBatch
 from sim.trace.records import RowRecord
 
-# device (`ReadySteps`; and `loop.BANK_WORDS` words): a long step's device time (the prompts' step,
-# ~29 ms at batch 64 x kv 2k on the H200) then goes to preparing the steps after it instead of
-# to a sync
-
 
 class KernelFault(Exception):
     """The kernels refused the step (a host-side check) or the backend saw an invalid access."""

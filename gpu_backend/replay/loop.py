@@ -22,14 +22,9 @@ device runs the steps after them; with more than LEAD read-backs on their way th
 the oldest; a long prompt step (SEND_TOKENS query tokens) is read back alone, right after it.
 Toward the end a read-back holds at most one step more than are left after it (their sizes
 halve), so the host, once it has queued the last step, judges most of them while the device still
-runs the last ones (a 12-step replay at 64 x 2k judged its 11 generation steps after the
-device's end: 0.4 ms).
-The host waits for all of it every FLUSH steps and at the end. Before either wait, the loop's
-own preparation gets ahead by as many steps as the device's work lets it (`ReadySteps`, at most
-BANK).
-
-The replay loop's prepared steps (`loop._loop`), some pulled ahead while the host would
-otherwise wait for the device.
+runs the last ones. The host waits for all of it every FLUSH steps and at the end. Before
+either wait, the loop's own preparation gets ahead by as many steps as the device's work lets
+it (`ReadySteps`, at most BANK).
 """
 
 from __future__ import annotations
@@ -55,22 +50,20 @@ from gpu_backend.verdicts import DEFAULT_TOL, Pending, ReplayResult, Sent, drain
 from sim import heap
 
 GUARD_PAGES = 16
-EARLY = 16  # steps per read-back of the verdict data: queued behind them, no wait (read back
-# only every FLUSH steps, a 96-step replay at batch 64 x kv 2k spent ~10 ms of host on its
-# verdicts after the device had finished: a fifth of its wall on the H200). 16 against 8: 0.896x
-# the wall at 64 x 2k on a slow host, where the loop's host is the bound (4 of 4 pairs), 1.005x
-# at 128 x 2k, device-bound: half the read-backs' concatenations, copies and passes
-LEAD = 2  # read-backs queued and not yet judged, at most: the host then waits for the oldest.
-# Unbounded, the host ran tens of steps ahead of a device-bound replay and judged their
-# verdicts after the device had finished (the loop alone at 64 x 2k 2.46-2.57x, against
-# 2.32-2.39 bounded, alternated on the H200)
+# steps per read-back of the verdict data, queued behind them: judged while the device runs
+# the steps after them, not after it has finished; fewer, larger read-backs cost the host less
+EARLY = 16
+# read-backs queued and not yet judged, at most: the host then waits for the oldest (unbounded,
+# it ran ahead of a device-bound replay and judged those steps after the device had finished)
+LEAD = 2
 FLUSH = 256  # steps between waits for every read-back (one host-device sync each)
-SEND_TOKENS = 1 << 16  # query tokens after which the pending steps are read back at once (a
-# long prompt step alone), to be judged as soon as they arrive while the device runs the steps
-# the loop queued behind them. A host that waited for such a step and judged it there would
-# leave the device idle meanwhile, ~1 ms of a 64 x 2k replay's prompts' step (131k tokens'
-# verdicts)
-BANK = 128  # steps the loop's own preparation may get ahead while the host would wait for the
+# query tokens after which the pending steps are read back at once (a long prompt step alone),
+# to be judged while the device runs the steps queued behind them, not with the device idle
+SEND_TOKENS = 1 << 16
+# steps the loop's own preparation may get ahead while the host would wait for the device
+# (`ReadySteps`; and `BANK_WORDS` words): a long step's device time (the prompts' step) then goes
+# to preparing the steps after it instead of to a sync
+BANK = 128
 
 
 def replay(trace: TraceData, kernels: Kernels, device: torch.device | str, tol: float = DEFAULT_TOL,

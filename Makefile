@@ -64,7 +64,7 @@ bench-memory: $(STAMP)
 bench-fuzz: $(STAMP)
 	$(BIN)/python bench/fuzz_ttf.py --out bench/results/fuzz_ttf.json
 
-# The GPU replay's host work per step (preparation, workers' shipping, the loop's receiving), no GPU.
+# The GPU replay's host work per step (the preparation), no GPU.
 bench-replay-host: $(STAMP)
 	$(BIN)/python bench/replay_host.py --json bench/results/replay_host.json
 

@@ -24,9 +24,9 @@ from environment import ROOT, environment, positive
 
 sys.path.insert(0, str(ROOT))
 
-from gpu_backend.driver import replay  # noqa: E402
-from gpu_backend.run import make_kernels  # noqa: E402
-from gpu_backend.tracedata import load_trace  # noqa: E402
+from gpu_backend.replay.loop import replay
+from gpu_backend.replay.run import make_kernels
+from gpu_backend.trace import load_trace
 from sim.errors import KvsimError  # noqa: E402
 
 

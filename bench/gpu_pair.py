@@ -1,19 +1,19 @@
 """Two settings of the replay side by side: the whole replay under A and under B, alternated.
 
-python bench/gpu_pair.py --set driver.BANK=0 [--sweep 64x2048:96,64x2048:12] [--b-workers N]
+python bench/gpu_pair.py --set driver.BANK=0 [--sweep 64x2048:96,64x2048:12]
     [--reps 8] [--json OUT] [--backend flashinfer|reference] [--work DIR] [--commit C]
 
 The lent GPU machines' hosts differ a lot in speed: the same code's whole replay at 64 x 2k,
 96 steps, took 85-191 ms on different calls of one day. A change is
-judged on pairs instead: A (the code as it is) and B (the same code with `--set` and
-`--b-workers`) alternate in one process (A B, B A, A B, ...), each on the benchmark trace of
+judged on pairs instead: A (the code as it is) and B (the same code with `--set`) alternate
+in one process (A B, B A, A B, ...), each on the benchmark trace of
 `bench/gpu_replay.py --sweep` (`tests/unit/replay_traces.py` big_verify, batch x kv_len, MTP)
-with N generation steps. Each replay is `driver.replay` from the call to its return and a
+with N generation steps. Each replay is `loop.replay` from the call to its return and a
 device sync, every step, as `bench/gpu_replay.py`'s `whole`; one warm-up replay of each first.
 
 `--set MODULE.NAME=VALUE` sets an attribute of a `gpu_backend` module (VALUE a Python literal)
 for B's replays only; repeat it for several. The JSON keeps every wall, the medians, B's median
-over A's, how many pairs B finished first, the steps each prepared ahead (`driver.Ahead`), and
+over A's, how many pairs B finished first, the steps each prepared ahead (`loop.ReadySteps`), and
 whether both gave the same rows.
 """
 
@@ -37,9 +37,9 @@ from environment import ROOT, environment, host_speed
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from gpu_backend import driver  # noqa: E402
-from gpu_backend.run import make_kernels  # noqa: E402
-from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
+from gpu_backend.replay import loop
+from gpu_backend.replay.run import make_kernels
+from gpu_backend.trace import TraceData, load_trace
 from sim.errors import KvsimError  # noqa: E402
 
 Setting = tuple[Any, str, Any]  # (module, attribute, value)
@@ -99,8 +99,7 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def one(trace: TraceData, backend: str, settings: list[Setting], workers: int | None
-        ) -> dict[str, Any]:
+def one(trace: TraceData, backend: str, settings: list[Setting]) -> dict[str, Any]:
     """One whole replay under `settings`: wall and first generation step's start in ms, and
     `environment.host_speed` just before it."""
     steps = [s.step for s in trace.steps if trace.rows[s.step]]
@@ -115,7 +114,7 @@ def one(trace: TraceData, backend: str, settings: list[Setting], workers: int | 
         host = host_speed()
         _sync(device)
         t0 = time.perf_counter()
-        res = driver.replay(trace, kernels, device, on_step=on_step, workers=workers)
+        res = loop.replay(trace, kernels, device, on_step=on_step)
         _sync(device)
         wall = time.perf_counter() - t0
     return {"wall_ms": wall * 1e3, "first_gen_ms": (marks.get("first", t0) - t0) * 1e3,
@@ -123,15 +122,15 @@ def one(trace: TraceData, backend: str, settings: list[Setting], workers: int | 
             "rows": [(r.step, r.row, r.verdict) for r in res.rows]}
 
 
-def pair(trace: TraceData, backend: str, b_settings: list[Setting], b_workers: int | None,
-         reps: int) -> dict[str, Any]:
-    configs = {"a": ([], None), "b": (b_settings, b_workers)}
-    for s, w in configs.values():  # warm-up: compiles, caches, the allocators' first blocks
-        one(trace, backend, s, w)
+def pair(trace: TraceData, backend: str, b_settings: list[Setting], reps: int
+         ) -> dict[str, Any]:
+    configs = {"a": [], "b": b_settings}
+    for s in configs.values():  # warm-up: compiles, caches, the allocators' first blocks
+        one(trace, backend, s)
     runs: dict[str, list[dict[str, Any]]] = {"a": [], "b": []}
     for i in range(reps):
         for name in ("a", "b") if i % 2 == 0 else ("b", "a"):
-            runs[name].append(one(trace, backend, *configs[name]))
+            runs[name].append(one(trace, backend, configs[name]))
     out: dict[str, Any] = {}
     for name, rs in runs.items():
         walls = [r["wall_ms"] for r in rs]
@@ -159,8 +158,6 @@ def main() -> None:
                                  epilog="\n".join(__doc__.split("\n")[5:]))
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="MOD.NAME=VALUE",
                     help="B only: set gpu_backend.MOD.NAME to VALUE (repeatable)")
-    ap.add_argument("--b-workers", type=int, default=None,
-                    help="B only: this many preparation workers (default: the replay's choice)")
     ap.add_argument("--sweep", default="64x2048:96,64x2048:12",
                     help="BATCHxKV[:STEPS],...: the benchmark traces (default %(default)s)")
     ap.add_argument("--reps", type=int, default=8, help="replays of each (default 8)")
@@ -174,19 +171,19 @@ def main() -> None:
     a = ap.parse_args()
     settings = _settings(a.sets, ap)
     sizes = _sizes(a.sweep, ap)
-    if not settings and a.b_workers is None:
-        ap.error("B is A: give --set or --b-workers")
+    if not settings:
+        ap.error("B is A: give --set")
     if a.reps < 1:
         ap.error("--reps must be at least 1")
     from replay_traces import big_verify
 
     out: dict[str, Any] = environment() | {"backend": a.backend, "b": a.sets,
-                                           "b_workers": a.b_workers, "reps": a.reps}
+                                           "reps": a.reps}
     if a.backend == "flashinfer":
         try:
             import torch
 
-            from gpu_backend.calibrate import meta  # the GPU, driver, torch and FlashInfer
+            from gpu_backend.tools.fidelity import meta
         except ImportError as e:
             ap.error(f"--backend flashinfer needs torch and flashinfer ({e}); "
                      "try --backend reference")
@@ -199,7 +196,7 @@ def main() -> None:
     for b, kv, n in sizes:
         trace = load_trace(big_verify(a.work / f"big_{b}x{kv}_{n}", batch=b, kv=kv, steps=n))
         try:
-            r = pair(trace, a.backend, settings, a.b_workers, a.reps)
+            r = pair(trace, a.backend, settings, a.reps)
         except KvsimError as e:
             print(f"gpu_pair: {e}", file=sys.stderr)
             raise SystemExit(2) from None

@@ -13,22 +13,14 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
   replay starts: `prepare_in_wall_ms_per_step` is 0 and `ratio_excl_prepare` equals `ratio`),
   so `ratio` is the replay loop's own, comparable across changes.
 - pipelined (one more pass, the replay's default): the steps are prepared in chunks one ahead
-  (`prepare.ramp`: the first ones small), the later chunks a step at a time between the timed
+  (`staging.ramp`: the first ones small), the later chunks a step at a time between the timed
   steps (`pipelined.prepare_in_wall_ms_per_step`); `pipelined.ratio_end_to_end` = (its wall + the
   generation steps' preparation done before it) / kernels: what a user's replay of the
   generation steps costs, preparation included.
-- workers (one more pass, `--workers N`, by default 4 where the host has 6 cores or more,
-  whatever the trace; `kvsim replay` takes none unless asked): pipelined
-  with the preparation in N forked processes
-  (`gpu_backend.workers`); `workers.ratio_end_to_end` = (its wall + the loop's wait for its
-  first chunks, less the workers' start and the prompt step's preparation) / kernels;
-  `workers.start_ms` is the start (forks, numba's load) left out of it. Every other pass
-  prepares on the loop's thread (`workers=0`).
-- whole (`whole`): what a user's replay costs, `replay` on its default path from the call to its
-  return: every step (the prompts' too) with everything inside it (the workers' start, the
-  preparation, the pool's set-up) against every step's kernels, the median of 3 (`ratio`);
-  `first_gen_ms`: from the call to the first generation step. `whole_other`: the same with the
-  other preparation (--workers N's, where the default is the loop's own).
+- whole (`whole`): what a user's replay costs, `flashinfer` on its default path from the call to its
+  return: every step (the prompts' too) with everything inside it (the preparation, the
+  pool's set-up) against every step's kernels, the median of 3 (`ratio`); `first_gen_ms`: from
+  the call to the first generation step.
 - kernels: each append and attention launch between CUDA events, after a GPU spin so the start
   event fires once the host has queued the launch: the kernels' device time, no host gaps (one
   pair of events around a whole step would count FlashInfer's plan() between its launches as
@@ -41,18 +33,18 @@ Passes over the whole trace, each with fresh kernels (pass 0 JIT-compiles and wa
 - --phases: one more pass with perf_counter_ns around each phase of the generation steps
   (events, content, append, plan, run, reference, errors, checksums, the loop between steps):
   host µs per step, inclusive (`phases_us_per_step`). The timers cost ~1 µs a phase.
-- prepare: the host's numpy work per step from the trace (`gpu_backend.prepare`):
+- prepare: the host's numpy work per step from the trace (`gpu_backend.host.prepare`):
   `prepare_gen_ms_per_step` over the generation steps, and `ratio_gen_incl_prepare` = (wall +
   the generation steps' preparation done before the wall) / kernels: the end-to-end ratio when
   the whole preparation comes first (to compare with `pipelined.ratio_end_to_end`).
-- --watch incremental|full: the replay's page watch (`gpu_backend/watch.py`; default
+- --watch incremental|full: the replay's page watch (`gpu_backend/device/watch.py`; default
   incremental): full sums the whole pool every step, a third of a device-bound step.
 - --device-time: one more pass under the torch profiler (CUDA activity only): device µs per
   generation step by kernel (`device_us_per_step`), where a device-bound replay's time goes.
 - --sweep 64x2048,128x8192,...: the benchmark trace at each batch x kv_len, all of the above but
   the profile and phases (`sizes`): the ratio as the kernels get more work per step.
 - --eager: every step launched eagerly; by default the steady steps run as CUDA graphs
-  (`gpu_backend/graphs.py`; the kernels' own time is always measured eagerly, per launch).
+  (`gpu_backend/device/graphs.py`; the kernels' own time is always measured eagerly, per launch).
 - --steps N: the sweep trace's generation steps (default 12; a graph is captured in the first
   generation step of each wall pass, so its cost is inside the wall, spread over N steps).
 - --before B.json: the same command's result for the code before a change, run in the same
@@ -76,24 +68,22 @@ from typing import Any
 import torch
 from environment import host_speed
 
-from gpu_backend import driver
-from gpu_backend.calibrate import meta
-from gpu_backend.driver import replay
-from gpu_backend.replay import FlashInferKernels
-from gpu_backend.result import ReplayResult, max_ok_error
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.workers import usable
+from gpu_backend.replay import loop
+from gpu_backend.replay.flashinfer import FlashInferKernels
+from gpu_backend.replay.loop import replay
+from gpu_backend.tools.fidelity import meta
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult, max_ok_error
 
 WATCH = ["incremental"]  # every pass's page watch (--watch)
 GRAPHS = [True]  # steady steps as CUDA graphs (--eager: False)
-WORKERS = [0]  # preparation processes of the workers pass (--workers; 0: no such pass)
 
 
 def _kernels(trace: TraceData, timing: bool = False) -> FlashInferKernels:
     return FlashInferKernels(trace.model.num_q_heads, "cuda", timing=timing, graphs=GRAPHS[0])
 
 
-def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True, workers: int = 0
+def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True
               ) -> tuple[float, float, float, ReplayResult, float]:
     """(ms per step from `first` to `last`, ms per step the host waited for the device inside
     those steps, ms per step of host preparation inside them, result, ms the loop spent getting
@@ -101,12 +91,11 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True, worke
     The wait is the time the host sat in FlashInfer-plan fences (the only waits in a step):
     wall - wait is the host's own time. ahead: every step prepared before the replay starts;
     else as the replay prepares them (`prepare.prepared_steps`), one chunk ahead, the later
-    steps between the timed ones. Preparation inside the timed steps is counted here.
-    workers: preparation processes (`gpu_backend.workers`; 0: the loop's thread)."""
+    steps between the timed ones. Preparation inside the timed steps is counted here."""
     marks: dict[str, float] = {}
     prep = {"on": 0.0, "s": 0.0, "pre": 0.0}
     k = _kernels(trace)
-    real = driver.prepared_steps
+    real = loop.prepared_steps
 
     def timed_steps(*a: Any, **kw: Any) -> Any:
         if ahead:  # every step prepared before the replay starts
@@ -133,53 +122,32 @@ def wall_pass(trace: TraceData, first: int, last: int, ahead: bool = True, worke
             marks["wait_" + what] = k.wait_s
             prep["on"] = float(what == "start")
 
-    driver.prepared_steps = timed_steps  # type: ignore[assignment]
+    loop.prepared_steps = timed_steps  # type: ignore[assignment]
     try:
-        res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0], workers=workers)
+        res = replay(trace, k, "cuda", on_step=on_step, watch=WATCH[0])
     finally:
-        driver.prepared_steps = real  # type: ignore[assignment]
+        loop.prepared_steps = real  # type: ignore[assignment]
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     return ((marks["done"] - marks["start"]) * 1e3 / n,
             (marks["wait_done"] - marks["wait_start"]) * 1e3 / n, prep["s"] * 1e3 / n, res,
             prep["pre"] * 1e3)
 
 
-def workers_pass(trace: TraceData, first: int, last: int, serial: ReplayResult
-                 ) -> dict[str, Any]:
-    """The pipelined pass with the preparation in WORKERS[0] processes. `before_ms_per_step`:
-    the loop's wait for its first prepared chunks before `first` (chunk 0 holds the prompt
-    step: that step's preparation in its worker is taken out, and so is the workers' start, which
-    is reported as `start_ms`), spread over the timed steps."""
-    wall, _, pin, res, pre = wall_pass(trace, first, last, ahead=False, workers=WORKERS[0])
-    n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
-    start = res.stats["prepare_start_s"] * 1e3
-    prompt = sum(v for k, v in res.prepare_step_s.items() if k < first) * 1e3
-    return {"n": WORKERS[0], "wall_ms_per_step": wall, "prepare_in_wall_ms_per_step": pin,
-            "start_ms": start, "before_ms_per_step": max(pre - start - prompt, 0.0) / n,
-            "worker_prepare_gen_ms_per_step":
-                sum(v for k, v in res.prepare_step_s.items() if k >= first) * 1e3 / n,
-            # every step's (the prompt's too), summed over the workers: where the time went
-            "timing_ms_per_step": {k: v * 1e3 / len(res.prepare_step_s)
-                                   for k, v in res.stats["prepare_timing_s"].items()},
-            "same_verdicts": [r.verdict for r in res.rows] == [r.verdict for r in serial.rows]}
-
-
 def kernel_pass(trace: TraceData) -> list[float]:
     """Per step, the prompts' first, the device ms of its append + attention launches."""
     k = _kernels(trace, timing=True)
-    replay(trace, k, "cuda", watch=WATCH[0], workers=0)
+    replay(trace, k, "cuda", watch=WATCH[0])
     return k.kernel_ms()
 
 
-def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3,
-               n: int = 0) -> dict[str, Any]:
-    """What a user's replay costs: `replay` on its default path (the loop's own
-    preparation; n: that many workers instead), from the call to its return and a device
-    sync, every step, the prompts' included, with everything inside (the workers' start, every
+def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int = 3
+               ) -> dict[str, Any]:
+    """What a user's replay costs: `flashinfer` on its default path, from the call to its return
+    and a device sync, every step, the prompts' included, with everything inside (every
     step's preparation, the pool's set-up), against every step's kernels; the median of `reps`
     passes. `first_gen_ms`: from the call to the first generation step's start (the prompts'
     step and what the host does before and while it runs). `prepared_ahead`: the steps the
-    loop's own preparation got ahead while it would have waited for the device (`driver.Ahead`),
+    loop's own preparation got ahead while it would have waited for the device (`loop.ReadySteps`),
     per pass. `host_ms`: `environment.host_speed` just before each pass (a slow host's pass
     shows there)."""
     walls, firsts, ahead, host = [], [], [], []
@@ -193,7 +161,7 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
         host.append(host_speed())
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        res = replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0], workers=n)
+        res = replay(trace, _kernels(trace), "cuda", on_step=on_step, watch=WATCH[0])
         torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
         firsts.append((marks["first"] - t0) * 1e3)
@@ -201,7 +169,7 @@ def whole_pass(trace: TraceData, first: int, kernel_ms: list[float], reps: int =
     wall, kern = sorted(walls)[len(walls) // 2], sum(kernel_ms)
     return {"wall_ms": wall, "wall_ms_all": walls, "first_gen_ms": sorted(firsts)[reps // 2],
             "kernel_ms": kern, "prompt_kernel_ms": kernel_ms[0], "ratio": wall / kern,
-            "workers": n, "prepared_ahead": ahead, "host_ms": host}
+            "prepared_ahead": ahead, "host_ms": host}
 
 
 def profile_pass(trace: TraceData, first: int, last: int) -> None:
@@ -215,7 +183,7 @@ def profile_pass(trace: TraceData, first: int, last: int) -> None:
             prof.disable()
 
     replay(trace, _kernels(trace), "cuda", on_step=on_step,
-           watch=WATCH[0], workers=0)
+           watch=WATCH[0])
     torch.cuda.synchronize()
     pstats.Stats(prof).sort_stats("tottime").print_stats(45)
     pstats.Stats(prof).sort_stats("cumulative").print_stats(45)
@@ -223,22 +191,22 @@ def profile_pass(trace: TraceData, first: int, last: int) -> None:
 
 # (module or class, attribute, phase name): the step's phases, each timed inclusive
 _PHASES = [
-    ("gpu_backend.driver", "_apply_events", "events (poison, copies, resum)"),
-    ("gpu_backend.driver", "_content", "content (K/V/Q, truth)"),
-    ("gpu_backend.replay:FlashInferKernels", "run_step", "run_step (all FlashInfer)"),
+    ("gpu_backend.replay.loop", "_apply_events", "events (poison, copies, resum)"),
+    ("gpu_backend.replay.loop", "_content", "content (K/V/Q, truth)"),
+    ("gpu_backend.replay.flashinfer:FlashInferKernels", "run_step", "run_step (all FlashInfer)"),
     ("flashinfer", "append_paged_kv_cache", "  append"),
-    ("gpu_backend.replay:FlashInferKernels", "_plan", "  _plan (fence + plan)"),
+    ("gpu_backend.replay.flashinfer:FlashInferKernels", "_plan", "  _plan (fence + plan)"),
     ("flashinfer:BatchPrefillWithPagedKVCacheWrapper", "plan", "    prefill plan()"),
     ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "plan", "    decode plan()"),
     ("flashinfer:BatchPrefillWithPagedKVCacheWrapper", "run", "  prefill run()"),
     ("flashinfer:BatchDecodeWithPagedKVCacheWrapper", "run", "  decode run()"),
-    ("gpu_backend.graphs:StepGraphs", "run", "graph step (copy, replay, clone)"),
-    ("gpu_backend.driver", "reference", "reference"),
-    ("gpu_backend.driver", "token_errors", "token_errors"),
-    ("gpu_backend.pool:KVPool", "sums_and_changes", "checksums (full watch)"),
-    ("gpu_backend.pool:KVPool", "resum_pre", "events: resum_pre (incremental watch)"),
-    ("gpu_backend.pool:KVPool", "post_check", "post_check (incremental watch)"),
-    ("gpu_backend.pool:KVPool", "full_check", "full_check (incremental watch)"),
+    ("gpu_backend.device.graphs:StepGraphs", "run", "graph step (copy, replay, clone)"),
+    ("gpu_backend.replay.loop", "reference", "reference"),
+    ("gpu_backend.replay.loop", "token_errors", "token_errors"),
+    ("gpu_backend.device.pool:KVPool", "sums_and_changes", "checksums (full watch)"),
+    ("gpu_backend.device.pool:KVPool", "resum_pre", "events: resum_pre (incremental watch)"),
+    ("gpu_backend.device.pool:KVPool", "post_check", "post_check (incremental watch)"),
+    ("gpu_backend.device.pool:KVPool", "full_check", "full_check (incremental watch)"),
 ]
 
 
@@ -294,7 +262,7 @@ def phases_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
 
     try:
         replay(trace, _kernels(trace), "cuda",
-               on_step=on_step, watch=WATCH[0], workers=0)
+               on_step=on_step, watch=WATCH[0])
     finally:
         for obj, attr, fn in saved:
             setattr(obj, attr, fn)
@@ -322,7 +290,7 @@ def device_pass(trace: TraceData, first: int, last: int) -> dict[str, float]:
                 prof.stop()
 
     replay(trace, _kernels(trace), "cuda", on_step=on_step,
-           watch=WATCH[0], workers=0)
+           watch=WATCH[0])
     n = sum(1 for s in trace.steps if first <= s.step <= last and trace.rows[s.step])
     tot: dict[str, float] = {}
     for e in prof.key_averages():
@@ -343,16 +311,13 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
     trace = load_trace(path)
     first, last = trace.steps[1].step, trace.steps[-1].step
     replay(trace, _kernels(trace), "cuda",
-           watch=WATCH[0], workers=0)  # JIT, warm-up
+           watch=WATCH[0])  # JIT, warm-up
     wall, wait, pin, res, _ = wall_pass(trace, first, last)
     wall2, wait2, pin2, res2, _ = wall_pass(trace, first, last)
     wall_p, _, pin_p, res_p, _ = wall_pass(trace, first, last, ahead=False)
-    par = workers_pass(trace, first, last, res) if WORKERS[0] else None
     ms_all = kernel_pass(trace)
     ms = ms_all[1:]
     whole = whole_pass(trace, first, ms_all)
-    # the other path, workers, if the bench has them
-    whole_other = whole_pass(trace, first, ms_all, n=WORKERS[0]) if WORKERS[0] else None
     ph = phases_pass(trace, first, last) if phases else None
     dev = device_pass(trace, first, last) if device else None
     if profile:
@@ -387,11 +352,6 @@ def measure(path: Path, phases: bool = False, profile: bool = False,
                       "same_verdicts": [r.verdict for r in res.rows] ==
                       [r.verdict for r in res2.rows]},
            "kernel_ms_min_max": [min(ms), max(ms)], "whole": whole}
-    if par is not None:
-        out["workers"] = par | {"ratio_end_to_end": (par["wall_ms_per_step"] +
-                                                     par["before_ms_per_step"]) / kern}
-    if whole_other is not None:
-        out["whole_other"] = whole_other
     if ph is not None:
         out["phases_us_per_step"] = ph
     if dev is not None:
@@ -416,8 +376,7 @@ def sweep(sizes: str, work: Path, device: bool = False, steps: int = 12
               f"(repeat {r['repeat']['ratio']:.2f}x), end to end with preparation "
               f"{r['pipelined']['ratio_end_to_end']:.2f}x pipelined, "
               f"{r['ratio_gen_incl_prepare']:.2f}x all ahead"
-              + (f", {r['workers']['ratio_end_to_end']:.2f}x with {r['workers']['n']} workers"
-                 if "workers" in r else "") + f"; whole replay {r['whole']['wall_ms']:.1f} ms "
+              + f"; whole replay {r['whole']['wall_ms']:.1f} ms "
               f"against {r['whole']['kernel_ms']:.1f} of kernels ({r['whole']['ratio']:.2f}x), "
               f"{r['counts']}", flush=True)
         out.append({"batch": batch, "kv": kv} | r)
@@ -435,17 +394,14 @@ def main() -> None:
     ap.add_argument("--phases", action="store_true",
                     help="one more pass: host µs per generation step by phase")
     ap.add_argument("--watch", choices=("incremental", "full"), default="incremental",
-                    help="the replay's page watch (gpu_backend/watch.py)")
+                    help="the replay's page watch (gpu_backend/device/watch.py)")
     ap.add_argument("--eager", action="store_true",
-                    help="every step launched eagerly, no CUDA graphs (gpu_backend/graphs.py)")
+                    help="every step launched eagerly, no CUDA graphs "
+                    "(gpu_backend/device/graphs.py)")
     ap.add_argument("--steps", type=int, default=12,
                     help="--sweep: generation steps of the benchmark trace (default 12)")
     ap.add_argument("--device-time", action="store_true",
                     help="one more pass: device µs per generation step by kernel (torch profiler)")
-    ap.add_argument("--workers", type=int, default=None,
-                    help="one more pipelined pass with the preparation in this many processes "
-                    "(gpu_backend/workers.py; default: 4 where the host has 6 cores or more, "
-                    "whatever the trace; 0: no such pass)")
     ap.add_argument("--sweep", metavar="BxKV,...",
                     help="instead of TRACE: the benchmark trace at each batch x kv_len, written "
                     "under --work (e.g. 64x2048,128x8192)")
@@ -463,7 +419,6 @@ def main() -> None:
                                         capture_output=True, text=True).stdout.strip()
     WATCH[0] = a.watch
     GRAPHS[0] = not a.eager
-    WORKERS[0] = usable("cuda") if a.workers is None else a.workers
     out: dict[str, Any] = meta("python bench/gpu_replay.py " + " ".join(sys.argv[1:]))
     out["commit"], out["watch"], out["graphs"] = commit, a.watch, not a.eager
     if a.sweep:

@@ -6,11 +6,11 @@ At batch 64 x kv 2k the H200 runs a replay step in ~0.32 ms (2.1x the kernels' o
 so the replay's end-to-end ratio is set by what the host does around
 it. This bench times that host work without a device, on the same benchmark trace as
 `bench/gpu_replay.py --sweep` (`tests/unit/replay_traces.py` big_verify, MTP W=4), by stage of
-the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per generation step
+the pipeline (`gpu_backend/host/prepare.py`), in µs per generation step
 (the prompts' step left out):
 
-- start: what `driver.replay` does on the host before it prepares the prompts' step and that
-  the device does not wait on (`truthprep.truth_shape`, the `HostState`, `in_flight_poison`), in
+- start: what `loop.replay` does on the host before it prepares the prompts' step and that
+  the device does not wait on (`truth.truth_shape`, the `HostState`, `in_flight_poison`), in
   ms: serial before anything runs, like the prompt's;
 - prompt: `prepare.prepare_step` on the prompts' step, in ms (the loop prepares it before
   anything runs: at batch 64 it is tens of ms of a whole replay, `bench/gpu_replay.py`'s
@@ -19,29 +19,14 @@ the pipeline (`gpu_backend/prepare.py`, `gpu_backend/workers.py`), in µs per ge
   content's and reference's arrays, uploaded), in ms: what the device waits for after the
   start; rest: the remainder of its preparation (`prepare.complete`), which the loop does
   while the device runs those launches;
-- prepare: `prepare.prepare_step` (what the loop's own preparation costs, and each worker's
-  step of its own chunks);
-- walk: `prepare.advance` (a worker's step of the other workers' chunks);
-- first_walk: worker 0's walk over the prompts' step, with its rewind (`advance(..., True)`),
-  before it prepares the first generation step: what the loop's first generation step waits
-  for besides the worker's start and that step's preparation (µs, once, not per step);
-- ship: a worker's shipping of a prepared chunk (`workers._meta`, the words, `workers._to_slot`
-  into a shared-memory slot), per step;
-- receive: the loop's side (`workers._receive`: the slot's metadata unpickled, its words copied,
-  each step's `Prepared` made), per step. The chunk's upload is the device's part and is left
-  out (`Chunk.load` keeps the host words only): on the H200 it is an async copy and a launch
-  or two a chunk. Here the words go into fresh (not pinned) memory; on a GPU host they are not
-  copied at all (the chunk uploads from its slot, which CUDA has page-locked);
-- unpickle: of receive, the metadata's unpickling alone (the same bytes again, just after);
-- bytes: words and metadata a step crosses from a worker to the loop.
+- prepare: `prepare.prepare_step` (what the loop's own preparation costs a step).
 
-Each size is measured twice, each time in a process forked for it: as `driver.replay` runs,
+Each size is measured twice, each time in a process forked for it: as `loop.replay` runs,
 with freed memory kept in the heap (`sim.heap`), and with glibc's default heap (`heap_default`,
 and `kept_over_default` the ratios; `--no-heap-default` skips it).
 
 Each figure is the median over --reps passes (after one warm-up pass) of the pass's mean per
-step. Worker and loop run in this one process here (the slot and pipe are the real ones), so
-nothing waits on another process: these are the stages' own costs. The H200's host ran this
+step: the stages' own costs. The H200's host ran this
 Python 1.5-4.5x slower than a development machine: compare figures
 within one run (`--before`: the same bench's JSON for the code before a change, run just
 before on the same machine).
@@ -53,7 +38,6 @@ import argparse
 import contextlib
 import json
 import multiprocessing as mp
-import pickle
 import statistics
 import sys
 import time
@@ -66,9 +50,9 @@ from environment import ROOT, environment, positive
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
-from gpu_backend import fa2plan, prepare, slots, staging, truthprep, workers  # noqa: E402
-from gpu_backend.events import in_flight_poison  # noqa: E402
-from gpu_backend.tracedata import TraceData, load_trace  # noqa: E402
+from gpu_backend.host import graph_block, prepare, staging, truth
+from gpu_backend.host.events import in_flight_poison
+from gpu_backend.trace import TraceData, load_trace
 from sim import heap  # noqa: E402
 
 
@@ -78,10 +62,10 @@ def _host_load(self: staging.Chunk, h64: Any) -> None:
 
 
 def _state(trace: TraceData) -> prepare.HostState:
-    slots, _, last = truthprep.truth_shape(trace)
+    slots, _, last = truth.truth_shape(trace)
     return prepare.HostState(trace, 16, trace.model.max_position, last=last,
                              free=list(range(slots))[::-1],
-                             graphs=fa2plan.Planner.for_model(trace.model, fa2plan.H200))
+                             graphs=graph_block.Planner.for_model(trace.model, graph_block.H200))
 
 
 def _prepare_pass(trace: TraceData) -> float:
@@ -96,7 +80,7 @@ def _prepare_pass(trace: TraceData) -> float:
 
 
 def _start_pass(trace: TraceData) -> float:
-    """ms of the replay's host start before the prompts' step (`driver._replay`, the device's
+    """ms of the replay's host start before the prompts' step (`loop._replay`, the device's
     allocations aside)."""
     t0 = time.perf_counter()
     _state(trace)
@@ -129,71 +113,6 @@ def _first_pass(trace: TraceData) -> dict[str, float]:
     return {"first_ms": (t1 - t0) * 1e3, "rest_ms": (time.perf_counter() - t1) * 1e3}
 
 
-def _walk_pass(trace: TraceData) -> float:
-    """µs per generation step of `advance` (no rewind: the usual walked step)."""
-    st, flight = _state(trace), in_flight_poison(trace)
-    spent = []
-    for s in (x for x in trace.steps if trace.rows[x.step]):
-        t0 = time.perf_counter()
-        prepare.advance(st, s, trace.rows[s.step], flight, False)
-        spent.append(time.perf_counter() - t0)
-    return sum(spent[1:]) / max(len(spent) - 1, 1) * 1e6
-
-
-def _first_walk_pass(trace: TraceData) -> float:
-    """µs of worker 0's walk over the prompts' step (the first step with rows)."""
-    st, flight = _state(trace), in_flight_poison(trace)
-    s = next(x for x in trace.steps if trace.rows[x.step])
-    t0 = time.perf_counter()
-    prepare.advance(st, s, trace.rows[s.step], flight, True)
-    return (time.perf_counter() - t0) * 1e6
-
-
-def _ship_pass(trace: TraceData) -> dict[str, float]:
-    """µs per generation step of shipping and of receiving, and the bytes a step ships, over
-    chunks of `prepare.CHUNK_STEPS` (the worker's preparation itself is not timed)."""
-    steps = [s for s in trace.steps if trace.rows[s.step]]
-    st, loop, flight = _state(trace), _state(trace), in_flight_poison(trace)
-    ctx = mp.get_context("fork")
-    recv, send = ctx.Pipe(duplex=False)
-    ring = slots.Ring(ctx)
-    wlink, llink = workers._Link(send, ring), workers._Link(recv, ring)
-    prepare.prepare_step(st, steps[0], trace.rows[steps[0].step], flight, staging.Chunk("cpu"))
-    ship = receive = loads = 0.0
-    words = meta = 0
-    per = prepare.CHUNK_STEPS
-    try:
-        for at in range(1, len(steps), per):
-            chunk, prepared = staging.Chunk("cpu"), []
-            for i in range(at, min(at + per, len(steps))):
-                s = steps[i]
-                prepared.append((i, prepare.prepare_step(st, s, trace.rows[s.step], flight,
-                                                         chunk)))
-            t0 = time.perf_counter()
-            metas = [workers._meta(i, 0.0, p) for i, p in prepared]
-            w = chunk.words()
-            workers._to_slot(wlink, metas, w, True, {})
-            t1 = time.perf_counter()
-            got = workers._receive(trace, loop, "cpu", steps, llink)
-            t2 = time.perf_counter()
-            assert len(got) == len(prepared)
-            ship, receive = ship + t1 - t0, receive + t2 - t1
-            words += w.nbytes
-            blob = pickle.dumps((metas, len(w), True), pickle.HIGHEST_PROTOCOL)
-            meta += len(blob)
-            t0 = time.perf_counter()
-            pickle.loads(blob)
-            loads += time.perf_counter() - t0
-    finally:
-        recv.close()
-        send.close()
-        ring.mem.close()
-    n = len(steps) - 1
-    return {"ship_us": ship / n * 1e6, "receive_us": receive / n * 1e6,
-            "unpickle_us": loads / n * 1e6,
-            "words_bytes": words / n, "meta_bytes": meta / n}
-
-
 def _median(fn: Callable[[], Any], reps: int) -> Any:
     fn()  # warm-up: numba's load, first-touch pages
     runs = [fn() for _ in range(reps)]
@@ -203,7 +122,7 @@ def _median(fn: Callable[[], Any], reps: int) -> Any:
 
 
 def measure(trace: TraceData, reps: int, kept: bool = True) -> dict[str, float]:
-    """The stages' figures; kept: with freed memory kept in the heap, as `driver.replay` runs
+    """The stages' figures; kept: with freed memory kept in the heap, as `loop.replay` runs
     them (`sim.heap`), else with glibc's defaults. In a process forked for them: a `kept()`
     block changes glibc's settings for good, and every figure starts from this process's."""
     ctx = mp.get_context("fork")
@@ -231,10 +150,8 @@ def _measure(trace: TraceData, reps: int) -> dict[str, float]:
     out = {"start_ms": _median(lambda: _start_pass(trace), reps),
            "prompt_ms": _median(lambda: _prompt_pass(trace), reps),
            **_median(lambda: _first_pass(trace), reps),
-           "prepare_us": _median(lambda: _prepare_pass(trace), reps),
-           "walk_us": _median(lambda: _walk_pass(trace), reps),
-           "first_walk_us": _median(lambda: _first_walk_pass(trace), reps)}
-    return out | _median(lambda: _ship_pass(trace), reps)
+           "prepare_us": _median(lambda: _prepare_pass(trace), reps)}
+    return out
 
 
 def _show(batch: int, kv: int, r: dict[str, Any], what: str = "") -> None:

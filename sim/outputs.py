@@ -133,8 +133,8 @@ def is_output(path: Path, kind: Kind) -> bool:
         return False
 
 
-# How kvsim's single-file outputs begin (sim/timeline.py, gpu_backend/run.py write_json): read
-# as a prefix, so a large output is recognised without parsing it.
+# How kvsim's single-file outputs begin (sim/timeline.py, gpu_backend/replay/run.py
+# write_json): read as a prefix, so a large output is recognised without parsing it.
 PREFIX = {Kind.TIMELINE: b'{"displayTimeUnit": "ms", "traceEvents": [',
           Kind.REPLAY: b'{\n "kvsim": "replay"'}
 _MAX_JSON = 64 << 20  # a marker or calibration file; anything larger is not one

@@ -38,7 +38,7 @@ def register(app: typer.Typer) -> None:
             console.print("[red]error:[/red] no CUDA device: calibrate measures a GPU")
             raise typer.Exit(2)
         try:
-            from gpu_backend.calibrate import measure
+            from gpu_backend.tools.fidelity import measure
         except ImportError as e:
             console.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from sim.cli.choices import Backend, Watch
 from sim.cli.common import err_console, fail, user_errors
-from sim.cli.options import check_tolerance, check_workers
+from sim.cli.options import check_tolerance
 from sim.errors import KvsimError
 from sim.outputs import Kind, check_out
 
@@ -62,10 +62,6 @@ def register(app: typer.Typer) -> None:
                                    "default a steady MTP step (one FA2 launch over rows of one "
                                    "width) replays as a CUDA graph: the same kernels and "
                                    "verdicts in less wall time (docs/gpu.md)"),
-        prepare_workers: int | None = typer.Option(
-            None, min=0, help="processes that prepare the steps' arrays beside the replay loop "
-            "(default 0: the loop prepares them itself). The same verdicts; they start slower "
-            "and rarely pay (docs/gpu.md)"),
     ) -> None:
         """Replay TRACE_DIR and give each (step, row) a verdict: ok/nan/mismatch/corrupt/fault."""
         console = Console()
@@ -76,29 +72,27 @@ def register(app: typer.Typer) -> None:
             _reexec_sanitized()
         try:
             check_tolerance(tol)
-            check_workers(prepare_workers, "--prepare-workers")
-            res = _run(trace_dir, backend.value, isolate, tol, watch.value, not eager,
-                       prepare_workers)
+            res = _run(trace_dir, backend.value, isolate, tol, watch.value, not eager)
         except KvsimError as e:
             fail(str(e))  # one line, whatever the terminal's width
         _summary(console, res)
         if json_out is not None:
-            from gpu_backend.run import write_json
+            from gpu_backend.replay.run import write_json
 
             write_json(res, Path(json_out))
         raise typer.Exit(0 if res.ok else 1)
 
 
 def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch: str,
-         graphs: bool = True, workers: int | None = None) -> Any:
-    from gpu_backend.oracle import DEFAULT_TOL
+         graphs: bool = True) -> Any:
+    from gpu_backend.verdicts import DEFAULT_TOL
 
     tol = DEFAULT_TOL if tol is None else tol
     if isolate:
-        from gpu_backend.isolate import replay_isolated
+        from gpu_backend.replay.run import replay_isolated
 
         return replay_isolated(trace_dir, backend, tol)
-    from gpu_backend.run import run_replay
+    from gpu_backend.replay.run import run_replay
 
     current = {"step": -1}
     with _progress(trace_dir) as (bar, task):
@@ -109,7 +103,7 @@ def _run(trace_dir: Path, backend: str, isolate: bool, tol: float | None, watch:
 
         try:
             return run_replay(trace_dir, backend, tol, on_step=on_step, watch=watch,
-                              graphs=graphs, workers=workers)
+                              graphs=graphs)
         except RuntimeError as e:
             _fault(e, current["step"], backend)
 
@@ -152,7 +146,7 @@ def _reexec_sanitized() -> None:
 
 
 def _summary(console: Console, res: Any) -> None:
-    from gpu_backend.result import max_ok_error
+    from gpu_backend.verdicts import max_ok_error
 
     t = Table(title=f"{res.backend} replay of {Path(res.trace).name} (tol {res.tol:g})")
     t.add_column("verdict")
@@ -165,7 +159,7 @@ def _summary(console: Console, res: Any) -> None:
     if res.stats.get("plan_mismatches"):
         console.print(f"[yellow]note:[/yellow] {res.stats['plan_mismatches']} CUDA-graph shape(s) "
                       "ran eagerly: kvsim's port of FlashInfer's FA2 planner "
-                      "(gpu_backend/fa2plan.py, from 0.7.2.post1) disagreed with this "
+                      "(gpu_backend/host/graph_block.py, from 0.7.2.post1) disagreed with this "
                       "FlashInfer's plan. The verdicts are unaffected; the replay is slower. "
                       "Please report it with your FlashInfer version.")
     bad = [r for r in res.rows if r.verdict != "ok"][:_FIRST_BAD]

@@ -1,5 +1,6 @@
-"""The fp32 reference on a stream of its own (`oracle.BESIDE`, `TruthStore.side`) and a step's
-context rows in one reference launch (`oracle.TOGETHER`, `refattn.attend_rows`): launched off
+"""The fp32 reference on a stream of its own (`loop._reference_beside`, `TruthStore.side`) and
+a step's context rows in one reference launch (`reference.together`,
+`reference_triton.attend_rows`): off
 the replay's stream, in eager steps and inside the graphs, and the replay's verdicts those of the
 reference run in order, a context row a launch (its errors bit for bit with the rows alone)."""
 
@@ -13,14 +14,15 @@ import pytest
 import torch
 from replay_traces import SCENARIOS, big_verify
 
-from gpu_backend import oracle
-from gpu_backend.driver import replay
-from gpu_backend.result import ReplayResult
-from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.device import reference
+from gpu_backend.replay import loop
+from gpu_backend.replay.loop import replay
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult
 
 pytestmark = pytest.mark.gpu
 # Triton comes with the CUDA torch only: where it is missing, nothing here can run.
-refattn = pytest.importorskip("gpu_backend.refattn")
+refattn = pytest.importorskip("gpu_backend.device.reference_triton")
 NAMES = ["clean_mtp", "overlap_uncorrected", "big_verify", "append_past_alloc",
          "shared_block_written"]
 
@@ -33,11 +35,14 @@ def _trace(tmp: Path, name: str) -> TraceData:
 
 def _replay(trace: TraceData, monkeypatch: pytest.MonkeyPatch, beside: bool,
             together: bool) -> ReplayResult:
-    from gpu_backend.replay import FlashInferKernels
+    from gpu_backend.replay.flashinfer import FlashInferKernels
 
-    monkeypatch.setattr(oracle, "BESIDE", beside)
-    monkeypatch.setattr(oracle, "TOGETHER", together)
-    return replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
+    with pytest.MonkeyPatch.context() as m:  # in order, a context row a launch: the oracles
+        if not beside:
+            m.setattr(loop, "_reference_beside", lambda *a: False)
+        if not together:
+            m.setattr(reference, "together", lambda *a: False)
+        return replay(trace, FlashInferKernels(trace.model.num_q_heads, "cuda"), "cuda")
 
 
 def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:

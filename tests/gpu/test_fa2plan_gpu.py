@@ -1,4 +1,4 @@
-"""gpu_backend/fa2plan.py against FlashInfer's own FA2 planner (CUDA-graph mode, the way
+"""gpu_backend/host/graph_block.py against FlashInfer's own FA2 planner (CUDA-graph mode, the way
 `graphs.StepGraphs` plans), and what a graph step does when the two differ."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from replay_traces import big_verify
 
-from gpu_backend import fa2plan
-from gpu_backend.driver import replay
-from gpu_backend.tracedata import load_trace
+from gpu_backend.host import graph_block
+from gpu_backend.replay.loop import replay
+from gpu_backend.trace import load_trace
 
 pytestmark = pytest.mark.gpu
 
@@ -38,8 +38,8 @@ def test_every_plan_is_flashinfer_s(rows: int, width: int) -> None:
     import torch
 
     hq, hkv, d, page = 32, 8, 128, 16  # the replay benchmark's shape (Llama-3.1-8B)
-    planner = fa2plan.Planner(fa2plan.Device.of("cuda"), hq, hkv, d, page, 2)
-    lay = fa2plan.layout(planner, rows, width)
+    planner = graph_block.Planner(graph_block.Device.of("cuda"), hq, hkv, d, page, 2)
+    lay = graph_block.layout(planner, rows, width)
     rng = np.random.default_rng(rows * 31 + width)
     w, buf = _wrapper(rows, width, rows * 600)
     qo = torch.arange(0, rows * width + 1, width, dtype=torch.int32)
@@ -52,18 +52,18 @@ def test_every_plan_is_flashinfer_s(rows: int, width: int) -> None:
                causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16,
                seq_lens=torch.from_numpy(pages.astype(np.int32) * page), uniform_q_len=width)
         theirs = w._pin_memory_int_workspace_buffer.numpy()
-        assert fa2plan.agrees(lay, list(w._plan_info), theirs, kv_indptr), (case, pages)
+        assert graph_block.agrees(lay, list(w._plan_info), theirs, kv_indptr), (case, pages)
 
 
 def test_a_plan_the_port_gets_wrong_runs_eagerly(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The first step of every graph checks the port against FlashInfer's planner: a key
     whose plan differs is never replayed; its steps run eagerly, with the eager rows."""
-    from gpu_backend.replay import FlashInferKernels
+    from gpu_backend.replay.flashinfer import FlashInferKernels
 
     trace = load_trace(big_verify(tmp_path / "t", batch=16, kv=512, steps=6))
     want = replay(trace, FlashInferKernels(32, "cuda", graphs=False), "cuda")
-    monkeypatch.setattr(fa2plan, "agrees", lambda *a: False)
+    monkeypatch.setattr(graph_block, "agrees", lambda *a: False)
     got = replay(trace, FlashInferKernels(32, "cuda", graphs=True), "cuda")
     assert [(r.step, r.row, r.verdict) for r in got.rows] == \
         [(r.step, r.row, r.verdict) for r in want.rows]

@@ -19,8 +19,8 @@ import pytest
 import torch
 from replay_traces import Builder, prompt
 
-from gpu_backend.oracle import DEFAULT_TOL
-from gpu_backend.run import run_replay
+from gpu_backend.replay.run import run_replay
+from gpu_backend.verdicts import DEFAULT_TOL
 
 pytestmark = pytest.mark.gpu
 

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 from replay_traces import EXPECTED, SCENARIOS, Builder, _two
 
-from gpu_backend.isolate import replay_isolated
-from gpu_backend.oracle import DEFAULT_TOL
-from gpu_backend.run import run_replay
+from gpu_backend.replay.run import replay_isolated, run_replay
+from gpu_backend.verdicts import DEFAULT_TOL
 
 pytestmark = pytest.mark.gpu
 
@@ -34,9 +33,9 @@ def test_the_decode_wrapper_and_xqa_workspace_are_made_on_first_use(tmp_path: Pa
                                                                     made: set[str]) -> None:
     """A replay of prompts and verify rows makes neither (each replay made both before its
     first launch); the traces that use one get it, with the verdicts of the CPU reference."""
-    from gpu_backend.driver import replay
-    from gpu_backend.replay import FlashInferKernels
-    from gpu_backend.tracedata import load_trace
+    from gpu_backend.replay.flashinfer import FlashInferKernels
+    from gpu_backend.replay.loop import replay
+    from gpu_backend.trace import load_trace
 
     trace = load_trace(SCENARIOS[name](tmp_path / name))
     k = FlashInferKernels(trace.model.num_q_heads, "cuda")

@@ -1,4 +1,5 @@
-"""Steady steps as CUDA graphs (gpu_backend/graphs.py) give the eager replay's rows, and a page
+"""Steady steps as CUDA graphs (gpu_backend/device/graphs.py) give the eager replay's rows, and a
+page
 written inside a graph is found as one written by an eager step."""
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import pytest
 from replay_traces import SCENARIOS, big_verify
 from watch_cases import Stray
 
-from gpu_backend.driver import replay
-from gpu_backend.graphs import StepGraphs
-from gpu_backend.result import ReplayResult
-from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.device.graphs import StepGraphs
+from gpu_backend.replay.loop import replay
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult
 
 pytestmark = pytest.mark.gpu
 
 
 def _fi(trace: TraceData, graphs: bool) -> Any:
-    from gpu_backend.replay import FlashInferKernels
+    from gpu_backend.replay.flashinfer import FlashInferKernels
 
     return FlashInferKernels(trace.model.num_q_heads, "cuda", graphs=graphs)
 

@@ -1,4 +1,5 @@
-"""The incremental page watch on the GPU: its Triton kernels (gpu_backend/poolk.py resum_pre,
+"""The incremental page watch on the GPU: its Triton kernels (gpu_backend/device/pool_triton.py
+resum_pre,
 post_check) against the torch path, and FlashInfer replays with stray writes, as in
 tests/unit/test_watch.py."""
 
@@ -12,11 +13,11 @@ import torch
 from replay_traces import SCENARIOS
 from watch_cases import CASES, Stray, find_case
 
-from gpu_backend import oracle
-from gpu_backend.driver import replay
-from gpu_backend.pool import KVPool
-from gpu_backend.result import ReplayResult
-from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend.device import reference
+from gpu_backend.device.pool import KVPool
+from gpu_backend.replay.loop import replay
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult
 
 pytestmark = pytest.mark.gpu
 
@@ -56,8 +57,9 @@ def test_resum_pre_and_post_check_kernels_are_the_torch_path(
         monkeypatch: pytest.MonkeyPatch, off: int | None, stray: int | None,
         flagged: bool) -> None:
     got = []
+    real = reference.triton_kernels
     for fused in (True, False):
-        monkeypatch.setattr(oracle, "FUSED", fused)
+        monkeypatch.setattr(reference, "triton_kernels", real if fused else lambda: None)
         pool = KVPool(200, 4, 16, 2, 64, torch.bfloat16, "cuda")
         g = torch.Generator(device="cuda").manual_seed(3)
         pool.data.copy_(torch.randn(pool.data.shape, device="cuda", generator=g))
@@ -70,7 +72,7 @@ def test_resum_pre_and_post_check_kernels_are_the_torch_path(
 
 
 def _flashinfer(trace: TraceData) -> Any:
-    from gpu_backend.replay import FlashInferKernels
+    from gpu_backend.replay.flashinfer import FlashInferKernels
 
     return FlashInferKernels(trace.model.num_q_heads, "cuda")
 
@@ -103,7 +105,7 @@ def _graph_vs_eager(dev: str, off: int | None, stray: int | None, stamped: int |
     """One step's events and checks, eagerly (the previous step's ahead check, the poison,
     resum_pre, post_check) and as the graph's kernels read them (counts in PARAMS, arrays padded
     past them): the same pool, sums, stamps, flag and moved flags."""
-    from gpu_backend import poolk
+    from gpu_backend.device import pool_triton
 
     touched, idx = [50, 60, 12], [10, 40, 50]
     rows = [50 * 32 + 3, 60 * 32, 60 * 32 + 17, 12 * 32 + 31]  # (page, K|V, slot) rows
@@ -122,9 +124,10 @@ def _graph_vs_eager(dev: str, off: int | None, stray: int | None, stamped: int |
         t, i, r = (torch.tensor(x + [0] * 5, device=dev) for x in (touched, idx, rows))
         params = torch.tensor([3, 3, 2, 7, 6, 4, 0, 0], device=dev)
         if graph:
-            poolk.graph_events(pool.words, pool.rows, params, t, r, s["sums"], s["stamp"],
+            pool_triton.graph_events(pool.words, pool.rows, params, t, r, s["sums"], s["stamp"],
                                s["flag"])
-            poolk.graph_pre(pool.words, params, t, i, s["sums"], s["pre"], s["stamp"], s["flag"])
+            pool_triton.graph_pre(pool.words, params, t, i, s["sums"], s["pre"], s["stamp"],
+                                  s["flag"])
         else:
             pool.post_check(None, t[:3], s["sums"], s["pre"], s["stamp"], s["flag"], 6)
             pool.poison_rows(r[:4])
@@ -134,7 +137,7 @@ def _graph_vs_eager(dev: str, off: int | None, stray: int | None, stamped: int |
             pool.data[stray, 1, 3] += 1
         if graph:
             moved = torch.zeros(8, dtype=torch.int8, device=dev)
-            poolk.graph_post(pool.words, params, i, s["sums"], s["pre"], moved)
+            pool_triton.graph_post(pool.words, params, i, s["sums"], s["pre"], moved)
             s["moved"] = moved[:3].view(torch.bool)
         else:
             s["moved"] = pool.post_check(i[:3], None, s["sums"], s["pre"], s["stamp"],

@@ -411,7 +411,6 @@ def flag_cases(root: Path) -> Iterator[AbuseCase]:
           for v in ("nan", "inf", "-inf", "-1", "0", "1e10")],
         (["check", missing, "--limit", "-1"], "--limit", False),
         *[(["replay", missing, "--tol", v], "--tol", False) for v in ("nan", "inf", "-1")],
-        (["replay", missing, "--prepare-workers", "1000000"], "--prepare-workers", True),
     ]
     for i, (argv, flag, resource) in enumerate(argvs):
         name = _safe(f"flag-{argv[0]}{flag}={argv[-1]}-{i}")

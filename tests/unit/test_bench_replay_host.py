@@ -27,19 +27,16 @@ def test_a_small_sweep_writes_every_figure(tmp_path: Path) -> None:
     assert p.returncode == 0, p.stderr
     (size,) = json.loads(out.read_text())["sizes"]
     assert (size["batch"], size["kv"]) == (8, 256)
-    for k in ("start_ms", "prompt_ms", "first_ms", "rest_ms", "prepare_us", "walk_us",
-              "first_walk_us", "ship_us", "receive_us", "unpickle_us"):
+    for k in ("start_ms", "prompt_ms", "first_ms", "rest_ms", "prepare_us"):
         assert 0 < size[k] < 1e6, k
-    assert size["words_bytes"] > 0 and size["meta_bytes"] > 0
     if heap.available():  # the same figures with glibc's default heap, and their ratios
-        assert size["heap_default"]["words_bytes"] == size["words_bytes"]
-        assert size["kept_over_default"]["words_bytes"] == 1.0
+        assert size["heap_default"]["prepare_us"] > 0
         assert 0 < size["kept_over_default"]["prompt_ms"] < 100
     again = tmp_path / "again.json"
     p = _bench(*common, "--json", str(again), "--before", str(out))
     assert p.returncode == 0, p.stderr
     (ratio,) = json.loads(again.read_text())["after_over_before"]
-    assert ratio["words_bytes"] == 1.0  # the same trace, the same code
+    assert set(ratio) >= {"prompt_ms", "prepare_us"}  # the same figures, before and after
     p = _bench(*common, "--no-heap-default", "--json", str(again))
     assert p.returncode == 0, p.stderr
     assert "heap_default" not in json.loads(again.read_text())["sizes"][0]

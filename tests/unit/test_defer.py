@@ -1,4 +1,4 @@
-"""gpu_backend/prepare.py's deferred first step: the replay loop queues the prompts' step's
+"""gpu_backend/host/prepare.py's deferred first step: the replay loop queues the prompts' step's
 content and reference before the rest of its preparation (`prepare.complete`), and the step it
 completes is the one `prepare_step` makes whole."""
 
@@ -14,16 +14,19 @@ import pytest
 import torch
 from replay_traces import FAULTS, SCENARIOS, named_trace
 
-from gpu_backend import driver, prepare
-from gpu_backend.driver import GUARD_PAGES, replay
-from gpu_backend.fa2plan import H200, Planner
-from gpu_backend.layout import StepBatch
-from gpu_backend.prepare import HostState, Prepared, complete, prepared_steps
-from gpu_backend.promptbatch import prompts_batch
-from gpu_backend.reference import ReferenceKernels
-from gpu_backend.staging import Chunk, FromRows, Joined, stage
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.truthprep import truth_shape
+from gpu_backend.device import pool as pool_mod
+from gpu_backend.device import reference
+from gpu_backend.host import events, prepare
+from gpu_backend.host.batch import StepBatch
+from gpu_backend.host.graph_block import H200, Planner
+from gpu_backend.host.layout import prompts_batch
+from gpu_backend.host.prepare import HostState, Prepared, complete, prepared_steps
+from gpu_backend.host.staging import Chunk, FromRows, Joined, stage
+from gpu_backend.host.truth import truth_shape
+from gpu_backend.replay import loop
+from gpu_backend.replay.cpu import ReferenceKernels
+from gpu_backend.replay.loop import GUARD_PAGES, replay
+from gpu_backend.trace import TraceData, load_trace
 
 NAMES = ["default40", "big", *sorted(SCENARIOS), *FAULTS[:6]]
 
@@ -58,7 +61,7 @@ def test_a_deferred_step_completes_to_the_whole_one(tmp_path: Path, name: str,
                                                     together: bool) -> None:
     """Every step of a replay with its first step deferred has the arrays, pool operations,
     checked pages, graph and batch of the undeferred replay's (every trace here starts with a
-    prompts' step: `promptbatch.prompts_batch`'s path)."""
+    prompts' step: `layout.prompts_batch`'s path)."""
     trace = _trace(tmp_path, name)
     want, got = _steps(trace, False, together), _steps(trace, True, together)
     assert len(got) == len(want) > 0
@@ -85,7 +88,7 @@ def _same_batch(a: StepBatch, b: StepBatch, only: Iterable[str] | None = None) -
     return True
 
 
-# the fields `promptbatch.prompts_batch` leaves empty: the pages'
+# the fields `layout.prompts_batch` leaves empty: the pages'
 _PAGES = {"kv_indptr", "kv_indices", "last_page_len", "kv_len", "block_table",
           "allowed_pages", "engine_write", "write_ok", "reject_page", "reject_slot",
           "xqa_indptr", "xqa_indices", "xqa_last_page_len", "runs"}
@@ -113,7 +116,7 @@ def test_a_prompts_step_is_launched_from_its_rows_before_its_pages(tmp_path: Pat
 
 
 def test_only_a_step_of_prompts_is_launched_before_its_pages(tmp_path: Path) -> None:
-    """`promptbatch.prompts_batch` takes a step of context rows whose appends are their queries,
+    """`layout.prompts_batch` takes a step of context rows whose appends are their queries,
     each with queries; anything else is prepared whole before its launches."""
     trace = _trace(tmp_path, "big")
     s = trace.steps[0]
@@ -155,7 +158,7 @@ def _order(trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
     """What the replay did to the first step, in order: its reference queued, the rest of its
     preparation (`prepare._rest`), its kernels."""
     order: list[tuple[str, int]] = []
-    ref, rest = driver.reference, prepare._rest
+    ref, rest = reference.reference, prepare._rest
 
     def logged_ref(truth: Any, dv: Any, groups: Any, q: Any, out: Any = None) -> torch.Tensor:
         order.append(("reference", len(q)))
@@ -170,10 +173,10 @@ def _order(trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> list[tuple[str,
             order.append(("run", b.step))
             return super().run_step(pool, b, *a)
 
-    monkeypatch.setattr(driver, "reference", logged_ref)
+    monkeypatch.setattr(loop, "reference", logged_ref)
     monkeypatch.setattr(prepare, "_rest", logged_rest)
     m = trace.model
-    res = replay(trace, Logged(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+    res = replay(trace, Logged(m.num_q_heads, m.num_blocks), "cpu")
     assert res.counts()["ok"] == len(res.rows) > 0
     return order[:3]
 
@@ -195,12 +198,12 @@ def test_the_prompts_reference_is_queued_before_the_rest_is_prepared(
 
 def test_the_loop_makes_its_pool_and_watch_once_the_first_reference_is_queued(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`driver.Rig`: the pool (its poison), the watch (its first sums) and the graphs are made
+    """`loop.Rig`: the pool (its poison), the watch (its first sums) and the graphs are made
     after the first step's content and reference are queued, not before them: the device has
     nothing to run until that launch. Once, for every step."""
     trace = _trace(tmp_path, "big")
     order: list[str] = []
-    ref, pool = driver.reference, driver.KVPool
+    ref, pool = reference.reference, pool_mod.KVPool
 
     def logged_ref(*a: Any) -> torch.Tensor:
         order.append("reference")
@@ -211,10 +214,10 @@ def test_the_loop_makes_its_pool_and_watch_once_the_first_reference_is_queued(
             order.append("pool")
             super().__init__(*a)
 
-    monkeypatch.setattr(driver, "reference", logged_ref)
-    monkeypatch.setattr(driver, "KVPool", Logged)
+    monkeypatch.setattr(loop, "reference", logged_ref)
+    monkeypatch.setattr(loop, "KVPool", Logged)
     m = trace.model
-    res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+    res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
     assert res.counts()["ok"] == len(res.rows) > 0 and res.watch == "incremental"
     assert order[:2] == ["reference", "pool"] and order.count("pool") == 1
     assert order.count("reference") == len(prepare.replayed(trace)) > 1
@@ -222,12 +225,12 @@ def test_the_loop_makes_its_pool_and_watch_once_the_first_reference_is_queued(
 
 def test_a_step_deferred_before_the_graphs_are_known_is_no_graph_step(tmp_path: Path) -> None:
     """The loop sets `HostState.graphs` only once its first step's content and reference are
-    queued (`driver.Rig`). A step deferred before then completes as an eager step with its
+    queued (`loop.Rig`). A step deferred before then completes as an eager step with its
     arrays whole: a graph reads the content's arrays and the rest as one block, which a deferred
     step stages apart (the layout raised KeyError on such a step)."""
     trace = _trace(tmp_path, "big")
     s0, s1 = prepare.replayed(trace)[:2]
-    flight = driver.in_flight_poison(trace)
+    flight = events.in_flight_poison(trace)
 
     def second(defer: bool) -> Prepared:
         st = _state(trace)
@@ -253,7 +256,7 @@ def test_the_defer_changes_no_verdict(tmp_path: Path, monkeypatch: pytest.Monkey
     m = trace.model
 
     def rows() -> list[tuple[Any, ...]]:
-        res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu", workers=0)
+        res = replay(trace, ReferenceKernels(m.num_q_heads, m.num_blocks), "cpu")
         return [(r.step, r.row, r.verdict, r.err, r.message) for r in res.rows]
 
     want = rows()
@@ -285,15 +288,13 @@ def test_joined_reads_each_array_from_its_own_chunk() -> None:
     (False, False, "cuda", True), (False, False, "cuda:0", True), (False, False, "cpu", False),
     (True, False, "cuda", False), (False, True, "cuda", False)])
 def test_the_reference_gets_a_stream_of_its_own_only_on_cuda_and_untimed(
-        monkeypatch: pytest.MonkeyPatch, timing: bool, attn_timing: bool, device: str,
+        timing: bool, attn_timing: bool, device: str,
         want: bool) -> None:
     """A concurrent reference would run inside the timed launches' events (`_reference_beside`):
-    timed kernels keep it in order, and so does `oracle.BESIDE = False`."""
+    timed kernels keep it in order."""
     class Timed:
         name = "flashinfer"
 
     k = Timed()
     k.timing, k.attn_timing = timing, attn_timing  # type: ignore[attr-defined]
-    assert driver._reference_beside(k, device) is want  # type: ignore[arg-type]
-    monkeypatch.setattr(driver.oracle, "BESIDE", False)
-    assert driver._reference_beside(k, device) is False  # type: ignore[arg-type]
+    assert loop._reference_beside(k, device) is want  # type: ignore[arg-type]

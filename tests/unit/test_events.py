@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from replay_traces import default_small, fault_trace
 
-from gpu_backend import events
-from gpu_backend.events import event_ops, event_ops_loop, in_flight_poison
-from gpu_backend.tracedata import load_trace
+from gpu_backend.host import events
+from gpu_backend.host.events import event_ops, event_ops_loop, in_flight_poison
+from gpu_backend.trace import load_trace
 
 
 @pytest.mark.parametrize("name", ["default40", "double_free", "free_in_flight"])

@@ -1,4 +1,4 @@
-"""gpu_backend/fa2plan.py, FlashInfer's FA2 planner ported, against a line-by-line Python
+"""gpu_backend/host/graph_block.py, FlashInfer's FA2 planner ported, against a line-by-line Python
 transliteration of the C++ (flashinfer/data/include/flashinfer/attention/scheduler.cuh
 `PrefillSplitQOKVIndptr` and `PrefillPlanImpl`, 0.7.2.post1). The port against FlashInfer's own
 compiled planner: tests/gpu/test_fa2plan_gpu.py."""
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_backend import fa2plan
-from gpu_backend.fa2plan import H200, Device, Planner, agrees, image, layout
+from gpu_backend.host import graph_block
+from gpu_backend.host.graph_block import H200, Device, Planner, agrees, image, layout
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -106,7 +106,7 @@ def cxx_plan(p: Planner, qo_indptr: list[int], kv_indptr: list[int], uniform_q_l
     return info, arrays
 
 
-def _read(lay: fa2plan.Layout, img: np.ndarray, name: str, n: int) -> list[int]:
+def _read(lay: graph_block.Layout, img: np.ndarray, name: str, n: int) -> list[int]:
     raw = img.view(np.uint8)[lay.at[name]:]
     return (raw[:n] if name == "block_valid_mask" else raw[: 4 * n].view(np.int32)).tolist()
 

@@ -1,4 +1,4 @@
-"""gpu_backend.fidelity without a GPU: step kinds, the prediction (the cost model's own
+"""gpu_backend.tools.fidelity without a GPU: step kinds, the prediction (the cost model's own
 calibration interpolation, one layer), the error aggregation, and the command's plumbing with the
 CPU reference kernels standing in for FlashInfer."""
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from replay_traces import Builder, prompt
 
-from gpu_backend import fidelity
-from gpu_backend.fidelity import StepTime, predict_us, predictor, step_kind, summarize
+from gpu_backend.tools import fidelity
+from gpu_backend.tools.fidelity import StepTime, predict_us, predictor, step_kind, summarize
 from sim.cost import load_calibration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,9 +81,9 @@ def test_command_end_to_end_with_reference_kernels(tmp_path: Path, monkeypatch: 
         b.step([b.gen(0, 3, a0), b.gen(1, 3, a1)])
     trace = b.write(tmp_path, "mtp32")
 
-    import gpu_backend.calibrate
-    import gpu_backend.replay
-    from gpu_backend.reference import ReferenceKernels
+    import gpu_backend.replay.flashinfer
+    import gpu_backend.tools.fidelity
+    from gpu_backend.replay.cpu import ReferenceKernels
 
     class Timed(ReferenceKernels):  # FlashInferKernels' attn_timing interface, on the CPU
         def __init__(self, hq: int, device: str, attn_timing: bool = False) -> None:
@@ -97,8 +97,9 @@ def test_command_end_to_end_with_reference_kernels(tmp_path: Path, monkeypatch: 
         def attention_ms(self) -> dict[int, float]:
             return {k: 0.01 for k, _ in self.attn_events}
 
-    monkeypatch.setattr(gpu_backend.replay, "FlashInferKernels", Timed)
-    monkeypatch.setattr(gpu_backend.calibrate, "meta", lambda cmd: {"date": "D", "command": cmd})
+    monkeypatch.setattr(gpu_backend.replay.flashinfer, "FlashInferKernels", Timed)
+    monkeypatch.setattr(gpu_backend.tools.fidelity, "meta",
+                        lambda cmd: {"date": "D", "command": cmd})
     out = tmp_path / "f.md"
     assert fidelity.main([str(trace), "--calibration", CALIB, "--out", str(out),
                           "--max-steps", "3", "--warmup", "1", "--device", "cpu"]) == 0

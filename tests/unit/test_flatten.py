@@ -1,5 +1,5 @@
-"""The compiled flattening (`gpu_backend.flatten`) against the numpy one it replaced
-(`flatnumpy.flat_numpy`): the same arrays, dtypes included, on random rows (wild positions,
+"""The compiled flattening (`gpu_backend.host.layout_jit`) against the numpy one it replaced
+(`layout.flat_numpy`): the same arrays, dtypes included, on random rows (wild positions,
 tables too short, shared pages, device-ahead appends) and on every step of the replay
 scenarios and the fault catalog's traces."""
 
@@ -16,20 +16,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from replay_traces import FAULTS, SCENARIOS, any_trace
 
-from gpu_backend import flatten, hostpool
-from gpu_backend.flatnumpy import flat_numpy as _flat_numpy
-from gpu_backend.layout import (
-    _FIELDS,
+from gpu_backend.host import layout_jit, prepare_jit
+from gpu_backend.host.batch import _FIELDS, StepBatch, _runs
+from gpu_backend.host.layout import (
     _FLAT,
     TAIL,
-    StepBatch,
     _flat_compiled,
     _flat_indices,
-    _runs,
     _steady_runs,
     build_step,
 )
-from gpu_backend.tracedata import load_trace
+from gpu_backend.host.layout import flat_numpy as _flat_numpy
+from gpu_backend.trace import load_trace
 
 
 def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> None:
@@ -55,11 +53,11 @@ def _rows(draw: st.DrawFn) -> tuple[dict[str, np.ndarray], int, int, np.ndarray]
          "shared_blocks": per_row(st.integers(0, 3)), "new_tokens": per_row(st.integers(0, 4)),
          "is_gen": np.array(draw(st.lists(st.booleans(), min_size=R, max_size=R))),
          "alloc_len": per_row(st.integers(0, 6)), "pages_len": per_row(st.integers(0, 6))}
-    # device-ahead extras, or none: every row's appends its queries (`flatten.run`'s `same`)
+    # device-ahead extras, or none: every row's appends its queries (`layout_jit.run`'s `same`)
     c["append_pos_len"] = c["q_len"] + (per_row(st.integers(0, 2)) if draw(st.booleans()) else 0)
     if draw(st.booleans()):
         c["append_pos"] = lists(c["append_pos_len"], st.integers(-5, 40))
-    else:  # each row at consecutive positions from its own start (`flatten.rows` takes such a
+    else:  # each row at consecutive positions from its own start (`layout_jit.rows` takes such a
         # run a table entry and a truth block at once: their edges need not line up), one moved
         at = per_row(st.integers(-5, 20))
         c["append_pos"] = np.concatenate([np.zeros(0, np.int64)] + [
@@ -125,7 +123,7 @@ def test_the_threaded_pass_gives_the_one_pass_arrays(
         parts: int) -> None:
     c, B, guard, shared = case
     args = _args(c, B, guard, shared, backend)
-    _equal(flatten.split(parts, *args), flatten.flatten(*args))
+    _equal(layout_jit.split(parts, *args), layout_jit.flatten(*args))
 
 
 @settings(max_examples=300, deadline=None)
@@ -133,13 +131,14 @@ def test_the_threaded_pass_gives_the_one_pass_arrays(
 def test_the_layouts_pass_gives_the_one_pass_arrays(
         case: tuple[dict[str, np.ndarray], int, int, np.ndarray], backend: str,
         parts: int) -> None:
-    """`flatten.run`, in one call or split, gives `flatten`'s arrays; where every row's appends
+    """`layout_jit.run`, in one call or split, gives `layout_jit`'s arrays; where every row's
+    appends
     are its queries, three of them are its inputs (tokens, rope_pos) and row_of_token."""
     c, B, guard, shared = case
     args = _args(c, B, guard, shared, backend)
-    with mock.patch.object(hostpool, "parts", lambda n: parts):
-        got = flatten.run(*args)
-    _equal(got, flatten.flatten(*args))
+    with mock.patch.object(prepare_jit, "parts", lambda n: parts):
+        got = layout_jit.run(*args)
+    _equal(got, layout_jit.flatten(*args))
     if np.array_equal(c["q_len"], c["append_pos_len"]):
         assert got[4] is c["tokens"] and got[6] is c["rope_pos"] and got[5] is got[2]
 
@@ -153,22 +152,22 @@ def test_a_long_step_is_split_across_threads(tmp_path: Path, monkeypatch: pytest
     t = load_trace(any_trace(tmp_path, name))
     pages = sorted({p for rows in t.rows.values() for r in rows for p in r.alloc if p >= 0})
     calls: list[int] = []
-    real = flatten.split
+    real = layout_jit.split
 
     def split(parts: int, *args: Any, **kw: Any) -> tuple[np.ndarray, ...]:
         calls.append(parts)
         return real(parts, *args, **kw)
 
-    monkeypatch.setattr(flatten, "split", split)
-    monkeypatch.setattr(hostpool, "threads", lambda: 3)
+    monkeypatch.setattr(layout_jit, "split", split)
+    monkeypatch.setattr(prepare_jit, "threads", lambda: 3)
     longest = sorted((s for s in t.steps if t.rows[s.step]),
                      key=lambda s: -sum(len(r.append_pos) for r in t.rows[s.step]))[:4]
     for i, s in enumerate(longest):
         shared = np.array(pages[i % 3::3], dtype=np.int64)
         args = (s, t.rows[s.step], t.model.page_size, 16, shared, t.columns.get(s.step))
-        monkeypatch.setattr(hostpool, "SPLIT", 1 << 30)
+        monkeypatch.setattr(prepare_jit, "SPLIT", 1 << 30)
         one = build_step(*args)
-        monkeypatch.setattr(hostpool, "SPLIT", 1)
+        monkeypatch.setattr(prepare_jit, "SPLIT", 1)
         split = build_step(*args)
         for k, v in vars(one).items():
             got = getattr(split, k)

@@ -1,5 +1,5 @@
-"""A prompts' step's content inputs made from its rows (`truthprep.row_content`,
-`staging.FromRows`, `prepk.row_positions`): the same values as the per-token arrays they stand
+"""A prompts' step's content inputs made from its rows (`truth.row_content`,
+`staging.FromRows`, `prepare_jit.row_positions`): the same values as the per-token arrays they stand
 for, and the per-token path wherever they do not follow from the rows."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from hypothesis import strategies as st
 from replay_traces import named_trace
 from test_defer import _state, _steps
 
-from gpu_backend import prepk
-from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.pool import M, mod_m
-from gpu_backend.prepare import prepared_steps
-from gpu_backend.promptbatch import prompts_batch, token_rows
-from gpu_backend.staging import Chunk, FromRows, stage
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.truthprep import row_content
+from gpu_backend.device.pool import M, mod_m
+from gpu_backend.host import prepare_jit
+from gpu_backend.host.layout import prompts_batch, token_rows
+from gpu_backend.host.prepare import prepared_steps
+from gpu_backend.host.staging import Chunk, FromRows, stage
+from gpu_backend.host.truth import row_content
+from gpu_backend.replay.loop import GUARD_PAGES
+from gpu_backend.trace import TraceData, load_trace
 
 
 def _oracle(tokens: np.ndarray, rope: np.ndarray, q_len: np.ndarray, committed: np.ndarray
@@ -42,16 +42,17 @@ def _oracle(tokens: np.ndarray, rope: np.ndarray, q_len: np.ndarray, committed: 
        st.integers(0, 5), st.sampled_from([0, 1, -1, M, M - 1, 7]))
 def test_row_positions_is_its_numpy(rows: list[tuple[int, int]], bad_at: int, value: int
                                     ) -> None:
-    """`prepk.row_positions` against numpy: the largest position when every row's are
+    """`prepare_jit.row_positions` against numpy: the largest position when every row's are
     committed + j and every token and position is in [0, M), else -1; rows of any length (none
     too), with one token or position drawn off."""
     q_len = np.array([q for q, _ in rows], dtype=np.int64)
     committed = np.array([c for _, c in rows], dtype=np.int64)
-    _, rope = prepk.token_rows(q_len, committed)
+    _, rope = prepare_jit.token_rows(q_len, committed)
     tokens = (np.arange(len(rope), dtype=np.int64) * 7919) % 50_000
     for t, r in ((tokens, rope), (_set(tokens, bad_at, value), rope),
                  (tokens, _set(rope, bad_at, value)), (tokens[:-1], rope)):
-        assert prepk.row_positions(t, r, q_len, committed, M) == _oracle(t, r, q_len, committed)
+        assert prepare_jit.row_positions(t, r, q_len, committed, M) == \
+            _oracle(t, r, q_len, committed)
 
 
 def _set(a: np.ndarray, i: int, v: int) -> np.ndarray:

@@ -1,5 +1,5 @@
 """Which steps `prepare` lays out for a CUDA graph, and what their input block holds
-(gpu_backend/graphs.py; the graphs themselves run on the GPU: tests/gpu/test_graphs.py)."""
+(gpu_backend/device/graphs.py; the graphs themselves run on the GPU: tests/gpu/test_graphs.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from replay_traces import SCENARIOS, big_verify
 
-from gpu_backend import graphs
-from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.fa2plan import H200, Planner, image, layout
-from gpu_backend.prepare import HostState, Prepared, prepared_steps
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.truthprep import truth_shape
+from gpu_backend.host import graph_block
+from gpu_backend.host.graph_block import H200, Planner, image, layout
+from gpu_backend.host.prepare import HostState, Prepared, prepared_steps
+from gpu_backend.host.truth import truth_shape
+from gpu_backend.replay.loop import GUARD_PAGES
+from gpu_backend.trace import TraceData, load_trace
 
 
 def _prepared(trace: TraceData, use_graphs: bool) -> list[Prepared]:
@@ -55,7 +55,8 @@ def test_capacities_only_grow(verify_trace: TraceData) -> None:
                    free=list(range(slots))[::-1],
                    graphs=Planner.for_model(verify_trace.model, H200), graph_caps={(8, 4): big})
     assert {p.graph for p in prepared_steps(verify_trace, st, "cpu")} == {None, big}
-    assert graphs._cap(5, 4) == 8 and graphs._cap(3, 4) == 4 and graphs._cap(0, 0) == 1
+    assert graph_block._cap(5, 4) == 8 and graph_block._cap(3, 4) == 4
+    assert graph_block._cap(0, 0) == 1
 
 
 def test_the_block_holds_each_field_at_its_offset(verify_trace: TraceData) -> None:
@@ -66,7 +67,7 @@ def test_the_block_holds_each_field_at_its_offset(verify_trace: TraceData) -> No
             continue
         b, dv = p.b, p.dv
         blk = dv["gblk"].numpy()
-        at = graphs.offsets(p.graph)
+        at = graph_block.offsets(p.graph)
         touched = dv["touched"].numpy() if p.touched else np.zeros(0, dtype=np.int64)
         prows = np.concatenate([dv[f"ev{a}"].numpy() for _, a, *_ in p.ops])
         want = {"app_tok_m": dv["app_tok_m@f64"].numpy().view(np.int64),

@@ -1,4 +1,4 @@
-"""`flatnumpy.truth_writes` and `layout._runs` against their definitions, written out row by row.
+"""`layout.truth_writes` and `batch._runs` against their definitions, written out row by row.
 A row may write a page when it is one of the row's own blocks (past its shared prefix,
 allocated, not shared). Launch runs are the maximal runs of rows of one kind."""
 
@@ -8,8 +8,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_backend.flatnumpy import truth_writes as _truth_writes
-from gpu_backend.layout import _ragged, _runs
+from gpu_backend.host.batch import _runs
+from gpu_backend.host.layout import _ragged
+from gpu_backend.host.layout import truth_writes as _truth_writes
 
 B, GUARD = 4, 3
 

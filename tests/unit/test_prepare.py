@@ -1,4 +1,5 @@
-"""gpu_backend/prepare.py: steps are prepared one chunk ahead of the steps handed out, a step at
+"""gpu_backend/host/prepare.py: steps are prepared one chunk ahead of the steps handed out, a step
+at
 a time, and how the steps fall into chunks changes nothing the replay sees; the page lists come
 from the trace's Arrow columns and flatten as the rows' tuples do."""
 
@@ -23,14 +24,15 @@ from replay_traces import (
     prompt,
 )
 
-from gpu_backend import poolops, prepare, refgroups, tracedata
-from gpu_backend.driver import GUARD_PAGES, replay
-from gpu_backend.fa2plan import H200, Planner
-from gpu_backend.layout import build_step, columns
-from gpu_backend.prepare import HostState, Prepared, prepared_steps
-from gpu_backend.reference import ReferenceKernels
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.truthprep import truth_shape
+from gpu_backend import trace as trace_mod
+from gpu_backend.host import events, prepare, staging, truth
+from gpu_backend.host.graph_block import H200, Planner
+from gpu_backend.host.layout import build_step, columns
+from gpu_backend.host.prepare import HostState, Prepared, prepared_steps
+from gpu_backend.host.truth import truth_shape
+from gpu_backend.replay.cpu import ReferenceKernels
+from gpu_backend.replay.loop import GUARD_PAGES, replay
+from gpu_backend.trace import TraceData, load_trace
 from sim.trace.reader import read_trace
 
 
@@ -47,7 +49,7 @@ def _state(trace: TraceData) -> HostState:
 
 def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """Chunks of 1, 1, 2, 3, 3 steps (`prepare.ramp`): a chunk is prepared whole before its
+    """Chunks of 1, 1, 2, 3, 3 steps (`staging.ramp`): a chunk is prepared whole before its
     first step is handed out, then one step of the next chunk before each later step; the last
     chunk's steps follow once all are prepared."""
     monkeypatch.setattr(prepare, "CHUNK_STEPS", 3)
@@ -66,7 +68,7 @@ def test_each_step_handed_out_follows_one_step_prepared(trace: TraceData,
 
 def test_an_eager_steps_kernels_run_before_the_next_step_is_prepared(
         trace: TraceData, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`driver._loop` queues an eager step's kernels, then prepares the step after it (whose
+    """`loop._loop` queues an eager step's kernels, then prepares the step after it (whose
     touched pages its watch checks ahead): the prompts' step's device work starts one step's
     preparation sooner. Every step runs, in order, after its own preparation."""
     order: list[tuple[str, int]] = []
@@ -93,9 +95,9 @@ def test_an_eager_steps_kernels_run_before_the_next_step_is_prepared(
 
 
 def test_the_ramp() -> None:
-    sizes = Counter(prepare.ramp(i, 4, 1) for i in range(20))
+    sizes = Counter(staging.ramp(i, 4, 1) for i in range(20))
     assert [sizes[c] for c in sorted(sizes)] == [1, 1, 2, 3, 4, 4, 4, 1]
-    assert [prepare.ramp(i, 3, 2) for i in range(8)] == [0, 0, 1, 2, 2, 3, 3, 3]
+    assert [staging.ramp(i, 3, 2) for i in range(8)] == [0, 0, 1, 2, 2, 3, 3, 3]
 
 
 def _arrays(p: Prepared) -> dict[str, np.ndarray]:
@@ -165,7 +167,7 @@ def test_the_columns_of_rows_out_of_table_order_are_gathered(trace: TraceData) -
     table = read_trace(trace.path).tables["rows"]
     steps = table.column("step").to_pylist()
     order = {s.step: [i for i, x in enumerate(steps) if x == s.step][::-1] for s in trace.steps}
-    got = tracedata._columns(table, order)
+    got = trace_mod._columns(table, order)
     for s in trace.steps:
         want = columns(trace.rows[s.step][::-1])
         assert all(np.array_equal(got[s.step][k], want[k]) for k in want)
@@ -178,8 +180,8 @@ def test_the_columns_of_rows_out_of_table_order_are_gathered(trace: TraceData) -
 
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_the_fast_groups_are_the_general_ones(tmp_path: Path, name: str) -> None:
-    """`refgroups._identity_group` (steady steps of equal-width gen rows) and
-    `refgroups._single_row_group` (a context row) give the arrays and the groups the general
+    """`truth._identity_group` (steady steps of equal-width gen rows) and
+    `truth._single_row_group` (a context row) give the arrays and the groups the general
     `ref_groups` gives, on every scenario step they take."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     taken = ctx = 0
@@ -190,8 +192,8 @@ def test_the_fast_groups_are_the_general_ones(tmp_path: Path, name: str) -> None
         slots = np.arange(3, 3 + b.num_rows, dtype=np.int64)[::-1 if s.step % 2 else 1].copy()
         fast: dict[str, np.ndarray] = {}
         slow: dict[str, np.ndarray] = {}
-        got = refgroups.ref_groups(b, slots, fast)
-        want = refgroups.ref_groups(b, slots, slow, fast=False)
+        got = truth.ref_groups(b, slots, fast)
+        want = truth.ref_groups(b, slots, slow, fast=False)
         assert [replace(g, true_limit=False) for g in got] == want
         # a context row's own group takes its limits from the step's true positions
         for g in got:
@@ -208,7 +210,8 @@ def test_the_fast_groups_are_the_general_ones(tmp_path: Path, name: str) -> None
 
 
 def test_a_steps_context_rows_together_are_its_rows_alone(tmp_path: Path) -> None:
-    """`ref_groups(together=True)` (where `refattn.attend_rows` runs) makes a prompts' step's
+    """`ref_groups(together=True)` (where `reference_triton.attend_rows` runs) makes a prompts'
+    step's
     context rows, of several lengths, one group: each row's first token, queries and committed
     keys, from which the kernel takes the limits each row's own group stages; the slots, key
     bound and lowest limit of those groups. A lone context row keeps its own group."""
@@ -219,8 +222,8 @@ def test_a_steps_context_rows_together_are_its_rows_alone(tmp_path: Path) -> Non
     slots = np.arange(5, 5 + b.num_rows, dtype=np.int64)
     alone: dict[str, np.ndarray] = {}
     together: dict[str, np.ndarray] = {}
-    rows = refgroups.ref_groups(b, slots, alone)
-    (g,) = refgroups.ref_groups(b, slots, together, together=True)
+    rows = truth.ref_groups(b, slots, alone)
+    (g,) = truth.ref_groups(b, slots, together, together=True)
     assert len(rows) == b.num_rows and not any(r.ragged for r in rows)
     first, width, committed = together["g0_rows"]
     for i, r in enumerate(rows):
@@ -233,8 +236,8 @@ def test_a_steps_context_rows_together_are_its_rows_alone(tmp_path: Path) -> Non
         (b.num_rows, int(b.q_len.max()), max(r.L for r in rows), 5, min(r.lo for r in rows),
          False, None, False, True)
     one = build_step(s, t.rows[s.step][:1], t.model.page_size, 16)
-    assert refgroups.ref_groups(one, slots, {}, together=True) == \
-        refgroups.ref_groups(one, slots, {})
+    assert truth.ref_groups(one, slots, {}, together=True) == \
+        truth.ref_groups(one, slots, {})
 
 
 def test_long_context_rows_stay_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -245,41 +248,17 @@ def test_long_context_rows_stay_alone(tmp_path: Path, monkeypatch: pytest.Monkey
     b = build_step(s, t.rows[s.step], t.model.page_size, 16, cols=t.columns.get(s.step))
     slots = np.arange(b.num_rows, dtype=np.int64)
     keys = b.committed.astype(np.int64) + b.q_len
-    monkeypatch.setattr(refgroups, "TOGETHER_KEYS", int(np.sort(keys)[2]))
+    monkeypatch.setattr(truth, "TOGETHER_KEYS", int(np.sort(keys)[2]))
     arrays: dict[str, np.ndarray] = {}
-    groups = refgroups.ref_groups(b, slots, arrays, together=True)
-    long = int((keys > refgroups.TOGETHER_KEYS).sum())
+    groups = truth.ref_groups(b, slots, arrays, together=True)
+    long = int((keys > truth.TOGETHER_KEYS).sum())
     assert 0 < long < b.num_rows - 1 and len(groups) == 1 + long
     assert groups[0].ragged and groups[0].R == b.num_rows - long
     assert all(g.R == 1 and not g.ragged for g in groups[1:])
     assert sorted(arrays["g0_slots"].tolist() + [int(arrays[g.pre + "slots"][0])
                                                  for g in groups[1:]]) == slots.tolist()
-    monkeypatch.setattr(refgroups, "TOGETHER_KEYS", int(keys.min()) - 1)
-    assert refgroups.ref_groups(b, slots, {}, together=True) == refgroups.ref_groups(b, slots, {})
-
-
-@pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_advance_rewinds_as_prepare_does(tmp_path: Path, name: str) -> None:
-    """A worker walking a step it hands to the next step's worker (`advance`, rewind) leaves
-    the rejected drafts `prepare_step` would: none for a step without draft rows (the prompts'
-    step, whose batch it no longer builds), the same pool rows and pages otherwise."""
-    t = load_trace(SCENARIOS[name](tmp_path / name))
-    a, b = _state(t), _state(t)
-    from gpu_backend.events import in_flight_poison
-    from gpu_backend.staging import Chunk
-
-    flight = in_flight_poison(t)
-    drafts = 0
-    for s in (x for x in t.steps if t.rows[x.step]):
-        prepare.prepare_step(a, s, t.rows[s.step], flight, Chunk("cpu"))
-        prepare.advance(b, s, t.rows[s.step], flight, True)
-        assert (a.rewind is None) == (b.rewind is None), s.step
-        if a.rewind is not None and b.rewind is not None:
-            drafts += 1
-            for x, y in zip(a.rewind, b.rewind, strict=True):
-                np.testing.assert_array_equal(x, y)
-    if name in ("clean_mtp", "overlap_uncorrected"):
-        assert drafts  # the scenarios reject drafts: both ways were compared
+    monkeypatch.setattr(truth, "TOGETHER_KEYS", int(keys.min()) - 1)
+    assert truth.ref_groups(b, slots, {}, together=True) == truth.ref_groups(b, slots, {})
 
 
 def _truth_shape_rows(trace: TraceData) -> tuple[int, int, dict[int, int]]:
@@ -364,7 +343,7 @@ def test_the_first_steps_poison_is_left_to_the_fresh_pool(tmp_path: Path,
 
     want, ops = run()
     assert not ops[0] or ops[0][0][0] != "nan"
-    monkeypatch.setattr(poolops, "fresh_pool", lambda ops, arrays: ops)
+    monkeypatch.setattr(events, "fresh_pool", lambda ops, arrays: ops)
     got, poisoned = run()
     assert got == want
     assert ops[1:] == poisoned[1:]
@@ -379,14 +358,14 @@ def test_the_fresh_pools_dropped_poison_is_never_made_rows(tmp_path: Path,
     into pool rows (0.5 ms of a 64 x 2k prompts' step, 2 at 8k, on a development machine)."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     given: list[list[Any]] = []
-    real = poolops.join_rewind
+    real = events.join_rewind
 
     def kept(st: Any, ops: Any, *a: Any) -> Any:
         given.append(list(ops))
         return real(st, ops, *a)
 
-    monkeypatch.setattr(poolops, "join_rewind", kept)
-    monkeypatch.setattr(poolops, "EVENTSK", False)  # every step through `join_rewind`
+    monkeypatch.setattr(events, "join_rewind", kept)
+    monkeypatch.setattr("gpu_backend.host.prepare_jit.pool_ops", lambda *a: None)  # all join_rewind
     steps = list(prepared_steps(t, _state(t), "cpu"))
     assert len(given) == len(steps) > 1
     assert not given[0] or given[0][0][0] != "nan"

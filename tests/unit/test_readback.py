@@ -1,4 +1,4 @@
-"""gpu_backend/readback.py and the loop's read-backs (`driver._loop`): a long prompt step is
+"""gpu_backend/verdicts.py and the loop's read-backs (`loop._loop`): a long prompt step is
 read back alone and judged once it arrives, the host never waiting for it there (a wait
 there leaves the device idle while the host judges it); a settle judges each read-back as it arrives
 and only then reads the watch's flag (a sync that waited for every step before any verdict)."""
@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 from replay_traces import named_trace
 
-from gpu_backend import driver, readback
-from gpu_backend.driver import replay
-from gpu_backend.reference import ReferenceKernels
-from gpu_backend.result import ReplayResult
-from gpu_backend.tracedata import TraceData, load_trace
+from gpu_backend import verdicts as verdicts_mod
+from gpu_backend.replay import loop
+from gpu_backend.replay.cpu import ReferenceKernels
+from gpu_backend.replay.loop import replay
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult
 
 
 def _replay(trace: TraceData) -> ReplayResult:
@@ -33,9 +34,9 @@ def test_a_long_prompt_step_is_read_back_alone_without_a_wait(
     want = _rows(_replay(trace))
     first = trace.steps[0].step
     prompts = int(trace.columns[first]["q_len"].sum())
-    monkeypatch.setattr(driver, "SEND_TOKENS", prompts)  # the prompts' step alone reaches it
+    monkeypatch.setattr(loop, "SEND_TOKENS", prompts)  # the prompts' step alone reaches it
     log: list[tuple[str, list[int]]] = []
-    send, settle = driver.send, driver.settle
+    send, settle = verdicts_mod.send, verdicts_mod.settle
 
     def logged_send(pending: list[Any], *flag: Any) -> Any:
         log.append(("send", [x.p.b.step for x in pending]))
@@ -45,12 +46,12 @@ def test_a_long_prompt_step_is_read_back_alone_without_a_wait(
         log.append(("settle", []))
         settle(res, sent, watch)
 
-    monkeypatch.setattr(driver, "send", logged_send)
-    monkeypatch.setattr(driver, "settle", logged_settle)
+    monkeypatch.setattr(loop, "send", logged_send)
+    monkeypatch.setattr(loop, "settle", logged_settle)
     assert _rows(_replay(trace)) == want
     assert log[0] == ("send", [first])  # the prompts' step alone, right after it
     assert [k for k, _ in log].count("settle") == 1 and log[-1][0] == "settle"  # at the end
-    assert all(len(steps) <= driver.EARLY for k, steps in log if k == "send")
+    assert all(len(steps) <= loop.EARLY for k, steps in log if k == "send")
 
 
 def test_a_settles_last_read_back_brings_the_flag_judged_after_every_verdict(
@@ -60,7 +61,7 @@ def test_a_settles_last_read_back_brings_the_flag_judged_after_every_verdict(
     only once every read-back's verdicts are in; it reads the watch itself no more."""
     trace = load_trace(named_trace(tmp_path, "big", 40))
     order: list[str] = []
-    verdicts, send, real = readback._verdicts, driver.send, readback.settle
+    verdicts, send, real = verdicts_mod._verdicts, verdicts_mod.send, verdicts_mod.settle
     flags: list[Any] = []
 
     def logged_verdicts(res: Any, s: Any, watch: Any) -> None:
@@ -93,9 +94,9 @@ def test_a_settles_last_read_back_brings_the_flag_judged_after_every_verdict(
             order.append("watch")
             return self.watch.stale()
 
-    monkeypatch.setattr(readback, "_verdicts", logged_verdicts)
-    monkeypatch.setattr(driver, "send", flagged_send)
-    monkeypatch.setattr(driver, "settle",
+    monkeypatch.setattr(verdicts_mod, "_verdicts", logged_verdicts)
+    monkeypatch.setattr(loop, "send", flagged_send)
+    monkeypatch.setattr(loop, "settle",
                         lambda res, sent, watch: real(res, sent, Watched(watch)))
     res = _replay(trace)
     assert res.counts()["ok"] == len(res.rows) > 0
@@ -110,16 +111,16 @@ def test_read_backs_shrink_toward_the_end(tmp_path: Path, monkeypatch: pytest.Mo
     end (one read-back at the end judges every step of a short replay after the device's end), and
     the verdicts are the same."""
     trace = load_trace(named_trace(tmp_path, "big", 40))
-    monkeypatch.setattr(driver, "EARLY", 1 << 30)  # the old rule, a read-back at the end only
+    monkeypatch.setattr(loop, "EARLY", 1 << 30)  # the old rule, a read-back at the end only
     log: list[list[int]] = []
-    send = driver.send
+    send = verdicts_mod.send
 
     def logged_send(pending: list[Any], *flag: Any) -> Any:
         log.append([x.p.b.step for x in pending])
         return send(pending, *flag)
 
-    monkeypatch.setattr(driver, "send", logged_send)
-    monkeypatch.setattr(driver, "SEND_TOKENS", 1 << 62)
+    monkeypatch.setattr(loop, "send", logged_send)
+    monkeypatch.setattr(loop, "SEND_TOKENS", 1 << 62)
     res = _replay(trace)
     steps = [s.step for s in trace.steps if trace.rows[s.step]]
     assert [x for got in log for x in got] == steps  # every step once, in order
@@ -128,7 +129,7 @@ def test_read_backs_shrink_toward_the_end(tmp_path: Path, monkeypatch: pytest.Mo
     for got in log:
         left -= len(got)
         assert len(got) <= left + 1, log
-    monkeypatch.setattr(driver, "EARLY", 16)
+    monkeypatch.setattr(loop, "EARLY", 16)
     assert _rows(res) == _rows(_replay(trace))
 
 
@@ -159,13 +160,13 @@ def test_the_replay_leaves_its_heap_untrimmed(tmp_path: Path,
     assert calls == [0]  # the default still trims
 
 
-def _boxed(pending: list[Any], mode: str) -> list[Any]:
-    """The steps' results moved into arenas as a CUDA graph step leaves them (`Boxed`, the
-    bytes `boxed.Arena.put` copies): "one" arena for all, two "halves", or every
+def _in_arena(pending: list[Any], mode: str) -> list[Any]:
+    """The steps' results moved into arenas as a CUDA graph step leaves them (`ArenaResults`, the
+    bytes `graphs.Arena.put` copies): "one" arena for all, two "halves", or every
     other step ("mixed"; the others keep their tensors, as eager steps do)."""
     import torch
 
-    from gpu_backend.boxed import Boxed
+    from gpu_backend.device.graphs import ArenaResults
 
     out, arena, used = [], None, 0
     for i, x in enumerate(pending):
@@ -178,8 +179,8 @@ def _boxed(pending: list[Any], mode: str) -> list[Any]:
         n, w = int(x.tok.shape[1]), int(x.changed.numel())
         arena[used: used + 8 * n] = x.tok.contiguous().view(torch.uint8).flatten()
         arena[used + 8 * n: used + 8 * n + w] = x.changed.view(torch.uint8)
-        box = Boxed(arena, used, n, w)
-        out.append(readback.Pending(x.p, box, box, x.fault))
+        box = ArenaResults(arena, used, n, w)
+        out.append(verdicts_mod.Pending(x.p, box, box, x.fault))
         used += 8 * n + w + (-(8 * n + w) % 8)
     return out
 
@@ -187,23 +188,23 @@ def _boxed(pending: list[Any], mode: str) -> list[Any]:
 @pytest.mark.parametrize("mode", ["one", "halves", "mixed"])
 def test_results_read_back_from_an_arena_are_judged_as_tensors_are(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
-    """A read-back of steps whose results lie in one arena (`graphs.ARENA`) comes home as its
+    """A read-back of steps whose results lie in one arena comes home as its
     span in one copy and is cut into the steps' parts there; steps in two arenas, or among
     steps run eagerly, are read back as tensors. The verdicts are the same either way, a
     corrupt step's blame included."""
     trace = load_trace(named_trace(tmp_path, "shared_block_written", 9))
     want = _rows(_replay(trace))
     assert any(r[3] == "corrupt" for r in want)
-    send = driver.send
+    send = verdicts_mod.send
     homes: list[bool] = []
 
-    def boxed_send(pending: list[Any], *flag: Any) -> Any:
-        s = send(_boxed(pending, mode), *flag)
+    def arena_send(pending: list[Any], *flag: Any) -> Any:
+        s = send(_in_arena(pending, mode), *flag)
         homes.append(s.home is not None)
         pending.clear()
         return s
 
-    monkeypatch.setattr(driver, "send", boxed_send)
-    monkeypatch.setattr(driver, "EARLY", 4)
+    monkeypatch.setattr(loop, "send", arena_send)
+    monkeypatch.setattr(loop, "EARLY", 4)
     assert _rows(_replay(trace)) == want
     assert any(homes) if mode == "one" else not all(homes)

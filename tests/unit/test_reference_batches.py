@@ -12,10 +12,10 @@ import pytest
 import torch
 from replay_traces import _two
 
-from gpu_backend import oracle
-from gpu_backend.oracle import DEFAULT_TOL
-from gpu_backend.reference import ReferenceKernels
-from gpu_backend.run import run_replay
+from gpu_backend.device import reference
+from gpu_backend.replay.cpu import ReferenceKernels
+from gpu_backend.replay.run import run_replay
+from gpu_backend.verdicts import DEFAULT_TOL
 
 BF16_ULP_AT_1 = 2.0 ** -7  # the outputs are bf16, as the kernels write them
 
@@ -59,12 +59,12 @@ def test_a_long_rows_queries_in_blocks_over_the_keys_they_see(monkeypatch: pytes
     q = torch.rand(1, W, Hq, D, generator=g).bfloat16()
     k, v = (torch.rand(1, Hkv, L, D, generator=g).bfloat16() for _ in "kv")
     limit = (torch.arange(W) + 4)[None, :]  # causal: query j sees keys 0 .. j + 4
-    whole = oracle.attend(q, k, v, limit, lo)
+    whole = reference.attend(q, k, v, limit, lo)
     cut: list[int] = []
-    real = oracle._attend
-    monkeypatch.setattr(oracle, "_attend", lambda q, k, *a: cut.append(k.shape[2]) or
+    real = reference._attend
+    monkeypatch.setattr(reference, "_attend", lambda q, k, *a: cut.append(k.shape[2]) or
                         real(q, k, *a))
-    monkeypatch.setattr(oracle, "QUERY_BLOCK", 3)
-    got = oracle.attend(q, k, v, limit, lo)
+    monkeypatch.setattr(reference, "QUERY_BLOCK", 3)
+    got = reference.attend(q, k, v, limit, lo)
     assert cut == [7, 10, 13, 14]  # each block's last query's keys
     torch.testing.assert_close(got, whole, rtol=0, atol=1e-6)

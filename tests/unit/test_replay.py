@@ -16,13 +16,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 from replay_traces import EXPECTED, SCENARIOS, _two
 
-from gpu_backend import pool as pool_module
-from gpu_backend.isolate import replay_isolated
-from gpu_backend.layout import build_step, launch_runs, stale_plan
-from gpu_backend.oracle import DEFAULT_TOL, MISMATCH, NAN, OK, verdicts
-from gpu_backend.pool import KVPool, content, content_blocks, mod_m
-from gpu_backend.run import run_replay
-from gpu_backend.tracedata import load_trace
+from gpu_backend.device import pool as pool_mod
+from gpu_backend.device.pool import KVPool, content, content_blocks, mod_m
+from gpu_backend.host.batch import launch_runs, stale_plan
+from gpu_backend.host.layout import build_step
+from gpu_backend.replay.run import replay_isolated, run_replay
+from gpu_backend.trace import load_trace
+from gpu_backend.verdicts import DEFAULT_TOL, MISMATCH, NAN, OK, verdicts
 from sim.errors import TraceError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def test_content_is_deterministic_and_position_sensitive() -> None:
 def test_content_blocks_are_content_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
                                                 part: int) -> None:
     # one float64 pass for K, V and Q (the replay's) == the int64 definition, RoPE NaN included
-    monkeypatch.setattr(pool_module, "_TOKENS_AT_ONCE", part)
+    monkeypatch.setattr(pool_mod, "_TOKENS_AT_ONCE", part)
     t, p = np.array([7, 30011, 5, 1_000_010, 0]), np.array([3, 2047, 70, 9, 1_000_003])
     T, P = torch.as_tensor(t), torch.as_tensor(p)
     nan = torch.zeros((4, 5, 1, 1), dtype=torch.bool)  # K and Q blocks past a 64-row table
@@ -69,16 +69,16 @@ def test_content_blocks_are_content_bit_for_bit(monkeypatch: pytest.MonkeyPatch,
 
 @pytest.mark.parametrize("queries", [10, 3])  # a row a part; three queries a part
 def test_attend_in_parts_is_attend_whole(monkeypatch: pytest.MonkeyPatch, queries: int) -> None:
-    from gpu_backend import oracle
+    from gpu_backend.device import reference
 
     g = torch.Generator().manual_seed(queries)
     R, W, Hq, Hkv, D, L = 3, 10, 4, 2, 8, 16
     q = torch.rand(R, W, Hq, D, generator=g).bfloat16()
     k, v = (torch.rand(R, Hkv, L, D, generator=g).bfloat16() for _ in "kv")
     limit = torch.tensor([2, 6, 5])[:, None] + torch.arange(W)[None, :]  # row 1 reaches L - 1
-    whole = oracle.attend(q, k, v, limit, 3)
-    monkeypatch.setattr(oracle, "SCORES_BYTES", queries * Hq * L * 4)
-    got = oracle.attend(q, k, v, limit, 3)
+    whole = reference.attend(q, k, v, limit, 3)
+    monkeypatch.setattr(reference, "SCORES_BYTES", queries * Hq * L * 4)
+    got = reference.attend(q, k, v, limit, 3)
     if queries == W:  # whole rows: the same products, the same bits
         assert torch.equal(got, whole)
     else:  # the CPU's matmul blocks fewer queries differently: rounding only
@@ -162,30 +162,13 @@ def test_cli_watch_choices(tmp_path: Path) -> None:
                         "of 'incremental', 'full'. (see kvsim replay --help)\n")
 
 
-def test_cli_prepare_workers(tmp_path: Path) -> None:
-    """--prepare-workers 2 gives the rows of the loop's own preparation; a negative count is
-    refused as bad input."""
-    bad = SCENARIOS["append_past_alloc"](tmp_path / "bad")
-    rows = []
-    for n in ("0", "2"):
-        p = _cli(str(bad), "--backend", "reference", "--prepare-workers", n,
-                 "--json", str(tmp_path / f"{n}.json"))
-        assert p.returncode == 1, p.stderr
-        out = json.loads((tmp_path / f"{n}.json").read_text())
-        assert out["stats"]["prepare_workers"] == int(n)
-        rows.append(out["rows"])
-    assert rows[0] == rows[1]
-    p = _cli(str(bad), "--backend", "reference", "--prepare-workers", "-1")
-    assert p.returncode == 2 and "Traceback" not in p.stderr + p.stdout
-
-
 @pytest.mark.parametrize(("error", "says"), [
     ("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: you tried "
      "to allocate 34527715328 bytes", "out of memory during step 3 ("),
     ("CUDA error: an illegal memory access was encountered", "device fault during step 3 (")])
 def test_cli_tells_out_of_memory_from_a_device_fault(monkeypatch: pytest.MonkeyPatch,
                                                      error: str, says: str) -> None:
-    from gpu_backend import run
+    from gpu_backend.replay import run
     from sim.cli import replay_cmd
     from sim.errors import KvsimError
 
@@ -195,7 +178,7 @@ def test_cli_tells_out_of_memory_from_a_device_fault(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(run, "run_replay", fails)
     with pytest.raises(KvsimError) as e:
-        replay_cmd._run(ROOT, "reference", False, None, "incremental", True, None)
+        replay_cmd._run(ROOT, "reference", False, None, "incremental", True)
     assert says in str(e.value) and ("--isolate" in str(e.value)) == says.startswith("device")
 
 
@@ -260,7 +243,7 @@ def test_a_plan_for_another_width_is_refused_as_flashinfer_does(tmp_path: Path, 
 
 @given(st.lists(st.integers(-5, 40), max_size=30), st.lists(st.integers(-5, 40), max_size=30))
 def test_member_is_isin_on_sorted_keys(xs: list[int], keys: list[int]) -> None:
-    from gpu_backend.intsets import member
+    from gpu_backend.host.truth import member
 
     x, k = np.array(xs, dtype=np.int64), np.sort(np.array(keys, dtype=np.int64))
     assert member(x, k).tolist() == np.isin(x, k).tolist()
@@ -271,7 +254,7 @@ def test_member_is_isin_on_sorted_keys(xs: list[int], keys: list[int]) -> None:
 def test_member_of_keys_of_its_own_length_is_isin(keys: list[int], at: int, value: int) -> None:
     # the keys themselves take a shortcut (a prompts' step's targets are its allocated pages);
     # an array of their length that differs in one value must not
-    from gpu_backend.intsets import member
+    from gpu_backend.host.truth import member
 
     k = np.sort(np.array(keys, dtype=np.int64))
     off = k.copy()
@@ -283,7 +266,7 @@ def test_member_of_keys_of_its_own_length_is_isin(keys: list[int], at: int, valu
 @given(st.lists(st.integers(-5, 40), max_size=30), st.integers(1, 700))
 def test_unique_is_np_unique(xs: list[int], repeat: int) -> None:
     # repeated in runs past 4096 values: the runs are collapsed before the sort
-    from gpu_backend.intsets import unique
+    from gpu_backend.host.truth import unique
 
     x = np.repeat(np.array(xs, dtype=np.int64), repeat)
     got = unique(x)
@@ -294,7 +277,7 @@ def test_unique_is_np_unique(xs: list[int], repeat: int) -> None:
 @given(st.lists(st.integers(-5, 40), max_size=40), st.integers(1, 40), st.booleans())
 def test_ascending_is_np_sort_in_order_or_not(xs: list[int], times: int, in_order: bool) -> None:
     # past ASCENDING values an array already in order is returned as it is, not sorted
-    from gpu_backend.intsets import ascending, unique
+    from gpu_backend.host.truth import ascending, unique
 
     x = np.tile(np.array(xs, dtype=np.int64), times)  # up to 1,600 values, across ASCENDING
     x = np.sort(x) if in_order else x
@@ -336,7 +319,7 @@ def test_only_xqa_steps_carry_a_block_table(tmp_path: Path, name: str) -> None:
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_no_page_moved_gives_the_verdicts_of_an_all_false_changed(tmp_path: Path,
                                                                    name: str) -> None:
-    """`oracle.verdicts` with changed=None (the driver's fast path when no checksum moved)
+    """`verdicts.verdicts` with changed=None (the driver's fast path when no checksum moved)
     gives what an all-False changed gives: mismatch and nan by the errors, no blame."""
     t = load_trace(SCENARIOS[name](tmp_path / name))
     rng = np.random.default_rng(0)
@@ -357,11 +340,11 @@ def test_no_page_moved_gives_the_verdicts_of_an_all_false_changed(tmp_path: Path
 
 def test_the_heap_is_frozen_during_the_replay_and_handed_back_after(tmp_path: Path) -> None:
     """The objects from before the replay are out of the collector's way while it runs
-    (`driver._frozen_heap`), and back in its oldest generation after, also when it raises."""
+    (`loop._frozen_heap`), and back in its oldest generation after, also when it raises."""
     import gc
 
-    from gpu_backend.driver import replay
-    from gpu_backend.reference import ReferenceKernels
+    from gpu_backend.replay.cpu import ReferenceKernels
+    from gpu_backend.replay.loop import replay
 
     t = load_trace(SCENARIOS["clean_mtp"](tmp_path / "t"))
     seen: list[int] = []
@@ -385,7 +368,7 @@ def test_the_summary_says_when_graph_shapes_ran_eagerly(mismatches: int) -> None
     user: nothing else would show it but the stats in --json."""
     from rich.console import Console
 
-    from gpu_backend.result import ReplayResult
+    from gpu_backend.verdicts import ReplayResult
     from sim.cli.replay_cmd import _summary
 
     console = Console(record=True, width=200)
@@ -414,15 +397,15 @@ def test_the_host_waits_for_the_oldest_read_back_beyond_the_lead(
     than LEAD are on their way: the host stays within a few read-backs of the device."""
     from collections import deque
 
-    from gpu_backend import readback
+    from gpu_backend import verdicts as verdicts_mod
 
     judged: list[int] = []
-    monkeypatch.setattr(readback, "_verdicts", lambda res, s, watch: judged.append(s.steps[0]))
+    monkeypatch.setattr(verdicts_mod, "_verdicts", lambda res, s, watch: judged.append(s.steps[0]))
     waits: list[int] = []
-    sent = deque(readback.Sent([i], None, None, _Arrival(waits, i)) for i in range(5))  # type: ignore[list-item, arg-type]
-    readback.drain(None, sent, None, 2)  # type: ignore[arg-type]
+    sent = deque(verdicts_mod.Sent([i], None, None, _Arrival(waits, i)) for i in range(5))  # type: ignore[list-item, arg-type]
+    verdicts_mod.drain(None, sent, None, 2)  # type: ignore[arg-type]
     assert waits == judged == [0, 1, 2] and len(sent) == 2
-    readback.drain(None, sent, None, 2)  # type: ignore[arg-type]
+    verdicts_mod.drain(None, sent, None, 2)  # type: ignore[arg-type]
     assert judged == [0, 1, 2]  # within the lead, nothing arrived: no wait
 
 
@@ -442,14 +425,14 @@ class _Busy:
     (50, 8, 250, 4)])  # the chunk that crosses the words is the last
 def test_the_loop_prepares_ahead_while_the_device_is_busy(
         monkeypatch: pytest.MonkeyPatch, busy: int, bank: int, words: int, banked: int) -> None:
-    """`driver.Ahead` pulls steps while the awaited event has not fired, up to its bank (in
+    """`loop.ReadySteps` pulls steps while the awaited event has not fired, up to its bank (in
     steps, and in words of their chunks) and the trace's end, and hands every step out once,
     in order."""
     from types import SimpleNamespace
 
-    from gpu_backend import driver
+    from gpu_backend.replay import loop
 
-    monkeypatch.setattr("gpu_backend.ahead.BANK_WORDS", words)
+    monkeypatch.setattr("gpu_backend.replay.loop.BANK_WORDS", words)
     chunks = [SimpleNamespace(n=100) for _ in range(4)]  # two steps a chunk
     pulled: list[int] = []
 
@@ -458,7 +441,7 @@ def test_the_loop_prepares_ahead_while_the_device_is_busy(
             pulled.append(i)
             yield SimpleNamespace(i=i, dv=SimpleNamespace(chunk=chunks[i // 2]))
 
-    ahead = driver.Ahead(steps(), bank)  # type: ignore[arg-type]
+    ahead = loop.ReadySteps(steps(), bank)  # type: ignore[arg-type]
     assert ahead.next().i == 0  # type: ignore[union-attr]
     ahead.fill(_Busy(busy))  # type: ignore[arg-type]
     assert len(ahead.banked) == ahead.pulled == banked and len(pulled) == 1 + banked

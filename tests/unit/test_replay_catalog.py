@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_backend.events import in_flight_poison
-from gpu_backend.layout import build_step, launch_runs, stale_plan
-from gpu_backend.oracle import DEFAULT_TOL
-from gpu_backend.pool import content
-from gpu_backend.run import run_replay
-from gpu_backend.tracedata import load_trace
+from gpu_backend.device.pool import content
+from gpu_backend.host.batch import launch_runs, stale_plan
+from gpu_backend.host.events import in_flight_poison
+from gpu_backend.host.layout import build_step
+from gpu_backend.replay.run import run_replay
+from gpu_backend.trace import load_trace
+from gpu_backend.verdicts import DEFAULT_TOL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,3 +84,36 @@ def test_a_plan_cache_keyed_by_batch_never_runs_a_stale_plan(tmp_path: Path) -> 
         b = build_step(s, trace.rows[s.step], trace.model.page_size, 16)
         assert all(stale_plan(b, i, e, k) is None for i, e, k in launch_runs(b))
     assert _bad(trace.path) == {}
+
+
+def test_a_plan_cache_keyed_by_batch_is_confirmed_as_growth(tmp_path: Path) -> None:
+    """TRT-LLM #18557's consequence is memory: the plan cache's own verdict, growth past I14's
+    bound (max_draft_len 1: one plan per query width 1..2, one for prefill), confirms the
+    faulty run in the agreement table; the fixed run holds one plan."""
+    from gpu_backend.tools.agreement import evaluate, summary, versus_sim
+
+    traces = [_trace(tmp_path, "plan_keyed_by_batch", f) for f in (True, False)]
+    rows = evaluate(traces, ["reference"], {}, DEFAULT_TOL)
+    assert [r["reference"] for r in rows] == [
+        {"plan cache": "growth: 5 plans held, bound 3"}, {}]
+    assert versus_sim(rows[0], "reference") == "confirmed"
+    assert summary(rows, ["reference"]) == [
+        "- reference: 1/1 faulty runs confirmed (a verdict not ok); 1/1 fixed runs all ok"]
+
+
+def test_the_plan_cache_verdict_counts_the_wrappers_flashinfer_held() -> None:
+    """FlashInfer's measured wrapper pairs decide where the replay reports them."""
+    from types import SimpleNamespace
+
+    from gpu_backend.tools.agreement import plan_cache_held
+    from gpu_backend.verdicts import ReplayResult
+
+    trace = SimpleNamespace(manifest={"model": {"tokens_per_block": 16, "num_blocks": 8,
+                                                "max_draft_len": 1}},
+                            steps=[SimpleNamespace(plan_cache_size=9)])
+    res = ReplayResult("flashinfer", "t", DEFAULT_TOL, stats={"plan_cache_entries": 3})
+    assert plan_cache_held(res, trace) is None  # type: ignore[arg-type]
+    res.stats["plan_cache_entries"] = 4
+    assert plan_cache_held(res, trace) == "growth: 4 plans held, bound 3"  # type: ignore[arg-type]
+    assert plan_cache_held(ReplayResult("reference", "t", DEFAULT_TOL),
+                           trace) == "growth: 9 plans held, bound 3"  # type: ignore[arg-type]

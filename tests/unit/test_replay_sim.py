@@ -12,10 +12,10 @@ import pytest
 import torch
 from replay_traces import EXPECTED, SCENARIOS
 
-from gpu_backend.agreement import main as agreement_main
-from gpu_backend.oracle import DEFAULT_TOL
-from gpu_backend.run import run_replay
-from gpu_backend.staging import Chunk, stage
+from gpu_backend.host.staging import Chunk, stage
+from gpu_backend.replay.run import run_replay
+from gpu_backend.tools.agreement import main as agreement_main
+from gpu_backend.verdicts import DEFAULT_TOL
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,7 +84,7 @@ def test_staging_keeps_names_shapes_and_copies(shape: tuple[int, ...]) -> None:
 
 
 def test_agreement_compares_the_simulator_with_each_backend() -> None:
-    from gpu_backend.agreement import plan_cache_note, summary, versus_sim
+    from gpu_backend.tools.agreement import plan_cache_note, summary, versus_sim
 
     rows = [
         {"trace": "a.fault", "violations": ["I14@2"], "reference": {"2,0": "fault"},
@@ -101,9 +101,10 @@ def test_agreement_compares_the_simulator_with_each_backend() -> None:
     assert versus_sim({"trace": "c", "violations": [], "reference": {"1,0": "nan"}},
                       "reference") == "**unflagged**"
     assert summary(rows, ["reference", "flashinfer"]) == [
-        "- reference: 1/2 faulty runs confirmed (a row not ok); not seen: b; 2/2 fixed runs all ok",
-        "- flashinfer: 1/2 faulty runs confirmed (a row not ok); not seen: b; 1/2 fixed runs all "
-        "ok"]
+        "- reference: 1/2 faulty runs confirmed (a verdict not ok); not seen: b; 2/2 fixed runs "
+        "all ok",
+        "- flashinfer: 1/2 faulty runs confirmed (a verdict not ok); not seen: b; 1/2 fixed runs "
+        "all ok"]
     assert plan_cache_note(rows[1]) == "plan cache held: 5 wrapper pairs, 80 MiB device (measured)"
     assert plan_cache_note(rows[0]) == ""
 
@@ -111,8 +112,8 @@ def test_agreement_compares_the_simulator_with_each_backend() -> None:
 def test_shared_blocks_follow_the_refcounts(tmp_path: Path) -> None:
     """event_ops keeps the blocks with refcount > 1 as a set beside the refcounts (no scan of
     the whole map per step): after every step it equals the scan it replaced."""
-    from gpu_backend.events import event_ops, in_flight_poison
-    from gpu_backend.tracedata import load_trace
+    from gpu_backend.host.events import event_ops, in_flight_poison
+    from gpu_backend.trace import load_trace
 
     trace = load_trace(_simulate(tmp_path, "append_into_shared"))
     flight = in_flight_poison(trace)

@@ -1,4 +1,4 @@
-"""The verdicts as arrays (`oracle.judge`, `result.ReplayResult`): the same rows, codes and
+"""The verdicts as arrays (`verdicts.judge`, `verdicts.ReplayResult`): the same rows, codes and
 counts as judging each row by itself."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from replay_traces import FAULTS, SCENARIOS, fault_trace
 
-from gpu_backend.layout import StepBatch, build_step
-from gpu_backend.oracle import MISMATCH, NAN, OK, judge
-from gpu_backend.result import ReplayResult
-from gpu_backend.run import from_json, run_replay, to_json
-from gpu_backend.tracedata import load_trace
+from gpu_backend.host.batch import StepBatch
+from gpu_backend.host.layout import build_step
+from gpu_backend.replay.run import from_json, run_replay, to_json
+from gpu_backend.trace import load_trace
+from gpu_backend.verdicts import MISMATCH, NAN, OK, ReplayResult, judge
 
 
 def _row_by_row(b: StepBatch, tok: np.ndarray, tol: float) -> tuple[list[int], list[float]]:
@@ -87,7 +87,7 @@ def test_a_result_reads_the_same_from_its_arrays_and_from_its_rows(tmp_path: Pat
 
 
 def test_rows_are_built_once_and_follow_new_verdicts() -> None:
-    from gpu_backend.result import Judged
+    from gpu_backend.verdicts import Judged
     from sim.trace.records import RowRecord
 
     def row(step: int) -> RowRecord:
@@ -111,14 +111,14 @@ def test_rows_are_built_once_and_follow_new_verdicts() -> None:
 @pytest.mark.parametrize("name", sorted(SCENARIOS) + FAULTS)
 def test_moved_pages_blame_a_row_exactly_when_some_is_not_blameless(tmp_path: Path,
                                                                     name: str) -> None:
-    """`Prepared.wok` (the driver's shortcut past `oracle.blame`): moved flags over the step's
+    """`Prepared.wok` (the driver's shortcut past `verdicts.blame`): moved flags over the step's
     target pages blame some row if and only if one of them falls on a page not `wok`."""
     from replay_traces import any_trace
 
-    from gpu_backend.driver import GUARD_PAGES
-    from gpu_backend.oracle import blame
-    from gpu_backend.prepare import HostState, prepared_steps
-    from gpu_backend.truthprep import truth_shape
+    from gpu_backend.host.prepare import HostState, prepared_steps
+    from gpu_backend.host.truth import truth_shape
+    from gpu_backend.replay.loop import GUARD_PAGES
+    from gpu_backend.verdicts import blame
 
     t = load_trace(any_trace(tmp_path, name))
     slots, _, last = truth_shape(t)

@@ -1,4 +1,5 @@
-"""gpu_backend/staging.py: a chunk's arrays come back through every view kind as they were staged;
+"""gpu_backend/host/staging.py: a chunk's arrays come back through every view kind as they were
+staged;
 the int32 and bool forms are made only when a view needs them, once."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_backend.staging import Chunk, stage
+from gpu_backend.host.staging import Chunk, stage
 
 
 def _chunk() -> tuple[Chunk, dict[str, np.ndarray]]:
@@ -47,7 +48,7 @@ def test_int32_and_bool_forms_only_when_viewed() -> None:
 
 
 def test_span_is_where_a_view_reads() -> None:
-    """`StepArrays.span` (a copy by address, `rawcopy`): the words the array's view reads."""
+    """`StepArrays.span` (a copy by address, `graphs`): the words the array's view reads."""
     chunk, arrays = _chunk()
     dv = stage(chunk, arrays)
     chunk.upload()

@@ -1,5 +1,5 @@
 """The kernels' out= buffer sets one element of each (token, head) vector NaN, not the whole
-buffer (`oracle.unwritten`): a token no launch writes, or a head of it, still judges `nan`,
+buffer (`reference.unwritten`): a token no launch writes, or a head of it, still judges `nan`,
 with the error and verdict it had when every element started NaN."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_backend import judgek, oracle
+from gpu_backend import verdicts, verdicts_jit
+from gpu_backend.device import reference
 
 
 def written(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -23,7 +24,7 @@ def written(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 def with_garbage(q: torch.Tensor) -> torch.Tensor:
     """`unwritten`, its unset elements holding finite values, as reused memory may."""
-    out = oracle.unwritten(q)
+    out = reference.unwritten(q)
     keep = out[..., 0].clone()
     out.fill_(0.25)
     out[..., 0] = keep
@@ -41,16 +42,16 @@ def test_a_token_no_launch_writes_judges_as_with_a_whole_nan_buffer(dtype: torch
     assert out.shape == q.shape and out.dtype == q.dtype
     assert out[..., 0][[4, 5, 6]].isnan().all() and not out[4, :, 1:].isnan().any()
 
-    want, got = oracle.token_errors(whole, ref), oracle.token_errors(out, ref)
+    want, got = reference.token_errors(whole, ref), reference.token_errors(out, ref)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
     assert got[0, [4, 5, 6, 9]].isnan().all() and not got[0, [0, 3, 7, 8, 10]].isnan().any()
 
     qo, rows = np.array([0, 4, 8, 12]), np.array([3])  # one step of three 4-token rows
-    codes = [judgek.judge(x[0].numpy(), x[1].numpy(), qo, rows, oracle.DEFAULT_TOL)
+    codes = [verdicts_jit.judge(x[0].numpy(), x[1].numpy(), qo, rows, verdicts.DEFAULT_TOL)
              for x in (want, got)]
     for a, z in zip(*codes, strict=True):
         np.testing.assert_array_equal(a, z)
-    assert codes[1][0].tolist() == [oracle.OK, oracle.NAN, oracle.NAN]
+    assert codes[1][0].tolist() == [verdicts.OK, verdicts.NAN, verdicts.NAN]
 
 
 def test_a_buffer_of_garbage_would_pass_a_token_no_launch_wrote() -> None:
@@ -58,12 +59,5 @@ def test_a_buffer_of_garbage_would_pass_a_token_no_launch_wrote() -> None:
     q = torch.zeros(3, 2, 8, dtype=torch.bfloat16)
     ref = torch.full((3, 2, 8), 0.25)
     bare = torch.empty_like(q).fill_(0.25)
-    assert not oracle.token_errors(bare, ref)[0].isnan().any()
-    assert oracle.token_errors(with_garbage(q), ref)[0].isnan().all()
-
-
-def test_whole_nan_gives_the_buffer_before_round_45(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`oracle.WHOLE_NAN` (pairs against the code before): every element NaN."""
-    monkeypatch.setattr(oracle, "WHOLE_NAN", True)
-    out = oracle.unwritten(torch.zeros(5, 2, 8, dtype=torch.bfloat16))
-    assert out.isnan().all() and out.dtype == torch.bfloat16
+    assert not reference.token_errors(bare, ref)[0].isnan().any()
+    assert reference.token_errors(with_garbage(q), ref)[0].isnan().all()

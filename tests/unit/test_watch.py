@@ -1,4 +1,5 @@
-"""gpu_backend/watch.py: the incremental page watch ends in FullWatch's verdicts, whatever wrote
+"""gpu_backend/device/watch.py: the incremental page watch ends in FullWatch's verdicts, whatever
+wrote
 where: nothing unseen (the same rows, no second replay), or a page changed that no append aimed
 at, caught by each of its three checks and replayed with the full watch."""
 
@@ -13,14 +14,13 @@ import torch
 from replay_traces import SCENARIOS
 from watch_cases import CASES, Stray, find_case
 
-from gpu_backend import driver
-from gpu_backend import watch as watch_module
-from gpu_backend.driver import replay
-from gpu_backend.pool import KVPool
-from gpu_backend.reference import ReferenceKernels
-from gpu_backend.result import ReplayResult
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.watch import FullWatch, IncrementalWatch, written
+from gpu_backend.device.pool import KVPool
+from gpu_backend.device.watch import FullWatch, IncrementalWatch, written
+from gpu_backend.replay import loop
+from gpu_backend.replay.cpu import ReferenceKernels
+from gpu_backend.replay.loop import replay
+from gpu_backend.trace import TraceData, load_trace
+from gpu_backend.verdicts import ReplayResult
 
 
 def _rows(res: ReplayResult) -> list[tuple[Any, ...]]:
@@ -77,7 +77,7 @@ def test_read_backs_after_every_step_change_nothing(tmp_path: Path,
 
     want = _replay(trace, "incremental", kernels())
     for name, n in every.items():
-        monkeypatch.setattr(driver, name, n)
+        monkeypatch.setattr(loop, name, n)
     got = _replay(trace, "incremental", kernels())
     assert _rows(got) == _rows(want) and got.watch == want.watch
 
@@ -141,11 +141,3 @@ def test_a_pool_is_fresh_for_one_step_and_only_without_ops() -> None:
         w = kind(pool, fresh=True)
         assert written(w, copy) and written(w, no_ops)
         assert written(kind(pool), no_ops)  # sums from a look: no freshness claimed
-
-
-def test_known_fresh_off_reads_the_first_look(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`watch.KNOWN_FRESH = False` (for pairs against the reading way): every look reads."""
-    monkeypatch.setattr(watch_module, "KNOWN_FRESH", False)
-    pool = KVPool(4, 1, 2, 1, 4, torch.bfloat16, "cpu")
-    w = IncrementalWatch(pool, fresh=True)
-    assert written(w, SimpleNamespace(ops=[])) and not w.fresh

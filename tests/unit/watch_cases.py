@@ -8,10 +8,10 @@ from typing import Any
 
 from replay_traces import SCENARIOS
 
-from gpu_backend.driver import GUARD_PAGES
-from gpu_backend.prepare import HostState, prepared_steps
-from gpu_backend.tracedata import TraceData, load_trace
-from gpu_backend.truthprep import truth_shape
+from gpu_backend.host.prepare import HostState, prepared_steps
+from gpu_backend.host.truth import truth_shape
+from gpu_backend.replay.loop import GUARD_PAGES
+from gpu_backend.trace import TraceData, load_trace
 
 CASES = ("ahead", "target", "pool")
 

@@ -1,0 +1,1 @@
+"""Host preparation: everything a step needs that depends on the trace alone (numpy, numba)."""

@@ -1,0 +1,327 @@
+"""Host -> device staging: many steps' index arrays in one pinned buffer and one copy.
+
+A copy from pageable host memory makes CUDA synchronize the stream first, and every small upload
+costs a launch. Here the host packs the arrays of a whole chunk of steps (`gpu_backend.host.prepare`
+builds them ahead) into one pinned int64 buffer and copies it with `non_blocking=True`; the
+device then holds it as int64 (indexing), int32 (kernel arguments) and bool (masks), the last
+two converted there when a view first needs them, so no step converts anything on the host but
+the few small int32 arrays the FlashInfer planners read on the host (`name@host`, made on
+first use). The chunk's buffers are never written again, so nothing waits for a copy to finish
+before reusing them.
+
+How `prepare.prepared_steps` cuts the replayed steps into chunks (`ramp`), and how many
+words it gives a chunk ahead (`words_ahead`, for `staging.Chunk(words=)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+import numpy as np
+import torch
+
+ALIGN = 32  # words: every array starts 256 B (int64) / 128 B (int32) aligned, as an allocation
+# name suffix -> which copy of the chunk a view comes from
+_COPIES = {"": "d64", "@32": "d32", "@b": "db", "@host": "h32", "@f64": "f64"}
+Slot = tuple[tuple[int, ...], tuple[int, ...], int]  # an array's (shape, strides, offset)
+_ZEROS = np.zeros(ALIGN, dtype=np.int64)  # padding between arrays (only ever read)
+
+
+class Chunk:
+    """One pinned upload of many steps' arrays; `add` (or `claim`) before `upload`, `view`
+    after. words > 0: the arrays are written into a pinned buffer of that many words as they
+    are added (grown if they outgrow it), and `upload` copies nothing on the host; else they are
+    queued and concatenated into one at `upload` (a chunk of unknown size: the prompts' step)."""
+
+    def __init__(self, device: torch.device | str, words: int = 0):
+        self.dev = torch.device(device)
+        self.parts: list[np.ndarray] = []
+        self.n = 0
+        self.bufs: dict[str, torch.Tensor] = {}
+        # the buffer written in place (None: `parts`). Why: at 64 x 2k a generation step
+        # stages ~13.5k words, and their concatenation was ~8% of its preparation on a
+        # development machine; `claim` lets a compiled pass write its block there directly
+        self.h64 = self.pinned(words) if words > 0 else None
+        self.host = self.h64.numpy() if self.h64 is not None else None
+
+    def add(self, a: np.ndarray) -> Slot:
+        """Stage one array (int64, or float64 stored as its bits); returns its slot."""
+        if a.ndim == 1:  # most arrays: no stride arithmetic (~1 µs less each), and int32 and
+            # bool ones are widened by the copy into the buffer, not here
+            flat = a.view(np.int64) if a.dtype == np.float64 else _integral(a)
+            shape: tuple[int, ...] = a.shape
+            strides: tuple[int, ...] = (1,)
+        else:
+            a = np.ascontiguousarray(a)
+            flat = a.view(np.int64).ravel() if a.dtype == np.float64 else \
+                a.astype(np.int64, copy=False).ravel()
+            shape = a.shape
+            strides = tuple(int(x) // a.itemsize for x in a.strides) if flat.size else \
+                (1,) * a.ndim
+        off = self._aligned(flat.size)
+        if self.host is not None:
+            self.host[off: self.n] = flat
+        else:
+            self.parts.append(flat)
+        return shape, strides, off
+
+    def claim(self, n: int) -> tuple[int, np.ndarray]:
+        """(offset, n words) at the chunk's end for the caller to write before `upload`;
+        `trim` gives back what it leaves unused."""
+        off = self._aligned(n)
+        if self.host is not None:
+            return off, self.host[off: self.n]
+        self.parts.append(np.empty(n, np.int64))
+        return off, self.parts[-1]
+
+    def trim(self, end: int) -> None:
+        """The chunk ends at word `end` (at most where it ends): a claim's unused words, or a
+        claim and its padding undone."""
+        extra, self.n = self.n - end, end
+        while extra > 0 and self.host is None:
+            last = self.parts[-1]
+            if len(last) > extra:
+                self.parts[-1] = last[: len(last) - extra]
+                return
+            self.parts.pop()
+            extra -= len(last)
+
+    def _aligned(self, n: int) -> int:
+        """Room for n words at the next aligned offset (kernels may load index arrays with
+        vector instructions), the padding zeroed; returns the offset and moves the end."""
+        pad = -self.n % ALIGN
+        off = self.n + pad
+        if self.host is not None:
+            if off + n > len(self.host):
+                self._grow(off + n)
+            self.host[self.n: off] = 0
+        elif pad:
+            self.parts.append(_ZEROS[:pad])
+        self.n = off + n
+        return off
+
+    def _grow(self, need: int) -> None:
+        assert self.host is not None
+        h64 = self.pinned(max(need, 2 * len(self.host)))
+        host = h64.numpy()
+        host[: self.n] = self.host[: self.n]
+        self.h64, self.host = h64, host
+
+    def upload(self) -> None:
+        if self.h64 is not None:
+            h64 = self.h64[: max(self.n, 1)]
+        else:
+            h64 = self.pinned(max(self.n, 1))
+            if self.parts:
+                np.concatenate(self.parts, out=h64.numpy()[: self.n], casting="safe")
+        self.load(h64)
+
+    def words(self) -> np.ndarray:
+        """The staged arrays as the one int64 buffer `upload` would copy (a copy)."""
+        if self.host is not None and self.n:
+            return self.host[: self.n].copy()
+        return np.concatenate(self.parts, dtype=np.int64, casting="safe") if self.parts else \
+            np.zeros(1, dtype=np.int64)
+
+    def pinned(self, n: int) -> torch.Tensor:
+        """n int64 words on the host, pinned when they go to a CUDA device."""
+        return torch.empty(n, dtype=torch.int64, pin_memory=self.dev.type == "cuda")
+
+    def load(self, h64: torch.Tensor) -> None:
+        """The device copy of the staged words. Its int32 and bool forms are made there (a
+        host-side int32 twin converted every word of every chunk on the host), when a view first
+        needs them: a chunk of CUDA-graph steps never does (`graphs.StepGraphs` makes its own
+        int32 twin), and each form cost the loop a launch a chunk."""
+        d64 = h64.to(self.dev, non_blocking=True) if self.dev.type == "cuda" else h64
+        self.bufs = {"h64": h64, "d64": d64, "f64": d64.view(torch.float64)}
+        self.parts, self.h64, self.host = [], None, None
+
+    def _form(self, copy: str) -> torch.Tensor:
+        """One of the chunk's device copies, the int32 and bool forms made on first use (the
+        int32 form wraps the float64 bits: those are never read as int32)."""
+        t = self.bufs.get(copy)
+        if t is None:
+            d64 = self.bufs["d64"]
+            t = self.bufs[copy] = d64.to(torch.int32) if copy == "d32" else d64 != 0
+        return t
+
+    def view(self, copy: str, slot: Slot) -> torch.Tensor:
+        if copy == "h32":  # a small index array a planner reads on the host
+            shape, strides, off = slot
+            if strides == (1,):  # numpy: ~1 µs, torch's as_strided + to(int32) ~8 on the H200
+                h = self.bufs["h64"].numpy()
+                return torch.from_numpy(h[off: off + shape[0]].astype(np.int32))
+            return self.bufs["h64"].as_strided(*slot).to(torch.int32)
+        # one as_strided (every buffer is 1-D from storage offset 0): ~1 µs of host per view,
+        # a slice + view + np.prod ~5 (a step makes ~20 views)
+        return self._form(copy).as_strided(*slot)
+
+
+class StepArrays(Mapping[str, torch.Tensor]):
+    """A step's arrays by name, as views into its chunk: `name` int64 on the device, `name@32`
+    int32 on the device, `name@b` bool on the device, `name@host` int32 on the host (a copy),
+    `name@f64` float64 on the device (arrays added as float64). Views are made on first use."""
+
+    def __init__(self, chunk: Chunk, slots: dict[str, Slot]):
+        self.chunk, self.slots = chunk, slots
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self.cache.get(key)
+        if t is None:
+            name, at, suffix = key.partition("@")
+            t = self.cache[key] = self.chunk.view(_COPIES[at + suffix], self.slots[name])
+        return t
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.slots)
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def span(self, name: str) -> tuple[torch.Tensor, int, int]:
+        """(the chunk's int64 device copy, offset, length) of 1-D array `name`, in words: for
+        a copy by address (`graphs`) without making a view."""
+        (n,), _, off = self.slots[name]
+        return self.chunk.bufs["d64"], off, n
+
+
+class Lazy(StepArrays):
+    """A graph step's arrays whose slots are made on first look (`make`), all but its block's
+    (`gblk`): the loop reads only that one (`graphs.StepGraphs.run`), and the ~22 slots of a
+    64 x 2k generation step took ~5 µs of its preparation on a development machine
+    (`steady_jit.packed`)."""
+
+    def __init__(self, chunk: Chunk, make: Callable[[], dict[str, Slot]], gblk: Slot):
+        self.chunk, self.make, self.gblk = chunk, make, gblk
+        self.cache = {}
+        self._slots: dict[str, Slot] | None = None
+
+    @property
+    def slots(self) -> dict[str, Slot]:
+        if self._slots is None:
+            self._slots = self.make()
+        return self._slots
+
+    @slots.setter
+    def slots(self, slots: dict[str, Slot]) -> None:
+        self._slots = slots
+
+    def span(self, name: str) -> tuple[torch.Tensor, int, int]:
+        if name != "gblk":
+            return super().span(name)
+        (n,), _, off = self.gblk
+        return self.chunk.bufs["d64"], off, n
+
+
+class Joined(StepArrays):
+    """A step staged in two chunks (`prepare.complete`): the arrays of `then`, and those of
+    `first` (staged and uploaded earlier: what the step's content and reference read)."""
+
+    def __init__(self, first: StepArrays, then: StepArrays):
+        super().__init__(then.chunk, then.slots)
+        self.first = first
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if key.partition("@")[0] in self.slots:
+            return super().__getitem__(key)
+        return self.first[key]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.slots
+        yield from self.first
+
+    def __len__(self) -> int:
+        return len(self.slots) + len(self.first)
+
+    def span(self, name: str) -> tuple[torch.Tensor, int, int]:
+        return super().span(name) if name in self.slots else self.first.span(name)
+
+
+class FromRows(StepArrays):
+    """A prompts' step's arrays whose content inputs the device makes from its rows
+    (`truth.row_content`): from `ptok` (the tokens) and `prow` ([3, R]: each row's queries,
+    truth slot, committed less its first token), `app_tok_m` and `app_pos_m` (float64) and
+    `tslot` and `true_pos` (int64) in a few launches, with the values and under the names of
+    the staged arrays they stand for (`@f64` the float64, the bare name its bits as int64)."""
+
+    MADE = ("app_tok_m", "app_pos_m", "tslot", "true_pos")
+    SOURCES = ("ptok", "prow")
+    made: dict[str, torch.Tensor] | None = None
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        t = self.cache.get(key)
+        if t is not None:
+            return t
+        name, at, suffix = key.partition("@")
+        if name not in self.MADE:
+            return super().__getitem__(key)
+        x = self._made()[name]
+        form = at + suffix
+        if form == "@f64" and x.dtype == torch.float64:
+            t = x
+        elif form == "":
+            t = x.view(torch.int64)
+        elif form == "@32" and x.dtype == torch.int64:
+            t = x.to(torch.int32)
+        else:
+            raise KeyError(key)
+        self.cache[key] = t
+        return t
+
+    def _made(self) -> dict[str, torch.Tensor]:
+        made = self.made
+        if made is None:
+            tok, rows = super().__getitem__("ptok"), super().__getitem__("prow")
+            n = int(tok.shape[0])
+            row = torch.repeat_interleave(rows[0], output_size=n)  # no sync: n is known
+            pos = torch.arange(n, dtype=torch.int64, device=tok.device) + rows[2][row]
+            made = self.made = {"app_tok_m": tok.to(torch.float64),
+                                "app_pos_m": pos.to(torch.float64), "tslot": rows[1][row],
+                                "true_pos": pos}
+        return made
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in self.slots if k not in self.SOURCES)
+        yield from self.MADE
+
+    def __len__(self) -> int:
+        return len(self.slots) - len(self.SOURCES) + len(self.MADE)
+
+
+# dtypes whose values int64 holds exactly: the chunk's concatenation widens them ("safe")
+_WIDENED = frozenset(np.dtype(t) for t in (np.int64, np.int32, np.int16, np.int8, np.uint32,
+                                           np.uint16, np.uint8, np.bool_))
+
+
+def _integral(a: np.ndarray) -> np.ndarray:
+    """a as it is when int64 holds its values exactly, else a as int64, as `astype` converts it
+    (uint64 words). A set lookup: `np.can_cast` took ~1 µs an array, ~35 a generation step."""
+    return a if a.dtype in _WIDENED else a.astype(np.int64)
+
+
+def stage(chunk: Chunk, arrays: dict[str, np.ndarray]) -> StepArrays:
+    return StepArrays(chunk, {k: chunk.add(a) for k, a in arrays.items()})
+
+
+def ramp(i: int, per: int, lead: int) -> int:
+    """The chunk of the i-th step with rows: chunk 0 holds the first `lead` steps, then chunk c
+    has min(c, per) steps. The loop launches a step once it holds the next one (`loop._loop`),
+    so small first chunks start the device sooner: the prompts' step, tens of ms of device
+    work at batch 64, runs while the host prepares the steps after it."""
+    if i < lead:
+        return 0
+    j, c = i - lead, 1
+    while c < per and j >= c:
+        j, c = j - c, c + 1
+    return c + j // per if c == per else c
+
+
+def words_ahead(last_words: int, steps: int, i: int, c: int, per: int, most: int) -> int:
+    """The words to give chunk c (`ramp`'s, chunks of at most `per` steps) ahead, after a chunk
+    of `steps` steps and `last_words` words ended with the i-th step: its words a step, 1.25x,
+    times c's steps, at most `most` (0: none ahead after the prompts' step, chunk 0, whose size
+    says nothing of the steps after it)."""
+    if i < 1:
+        return 0
+    return min(most, int(1.25 * last_words / max(steps, 1)) * min(c, per)) + ALIGN

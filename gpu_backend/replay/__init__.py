@@ -1,0 +1,1 @@
+"""The replay loop, its two backends (FlashInfer, the CPU access model) and its entry points."""

@@ -1,6 +1,6 @@
 """Two settings of the replay side by side: the whole replay under A and under B, alternated.
 
-python bench/gpu_pair.py --set driver.BANK=0 [--sweep 64x2048:96,64x2048:12]
+python bench/gpu_pair.py --set replay.loop.BANK=0 [--sweep 64x2048:96,64x2048:12]
     [--reps 8] [--json OUT] [--backend flashinfer|reference] [--work DIR] [--commit C]
 
 The lent GPU machines' hosts differ a lot in speed: the same code's whole replay at 64 x 2k,
@@ -51,7 +51,7 @@ def _settings(exprs: list[str], ap: argparse.ArgumentParser) -> list[Setting]:
         name, eq, text = e.partition("=")
         mod, dot, attr = name.strip().rpartition(".")
         if not eq or not dot:
-            ap.error(f"--set {e!r}: write MODULE.NAME=VALUE (e.g. driver.BANK=0)")
+            ap.error(f"--set {e!r}: write MODULE.NAME=VALUE (e.g. replay.loop.BANK=0)")
         try:
             m = importlib.import_module(f"gpu_backend.{mod}")
         except ImportError:

@@ -20,12 +20,12 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_a_and_b_alternate_and_give_the_same_rows(tmp_path: Path) -> None:
     out = tmp_path / "p.json"
-    p = _bench("--backend", "reference", "--sweep", "4x64:3", "--set", "driver.BANK=0",
-               "--set", "driver.EARLY=1", "--reps", "3", "--work", str(tmp_path),
+    p = _bench("--backend", "reference", "--sweep", "4x64:3", "--set", "replay.loop.BANK=0",
+               "--set", "replay.loop.EARLY=1", "--reps", "3", "--work", str(tmp_path),
                "--json", str(out))
     assert p.returncode == 0, p.stderr
     d = json.loads(out.read_text())
-    assert d["b"] == ["driver.BANK=0", "driver.EARLY=1"] and d["backend"] == "reference"
+    assert d["b"] == ["replay.loop.BANK=0", "replay.loop.EARLY=1"] and d["backend"] == "reference"
     (size,) = d["sizes"]
     assert (size["batch"], size["kv"], size["steps"]) == (4, 64, 3)
     for k in ("a", "b"):
@@ -39,14 +39,14 @@ def test_a_and_b_alternate_and_give_the_same_rows(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("args", "says"), [
-    (["--set", "driver.BANK"], "MODULE.NAME=VALUE"),
+    (["--set", "replay.loop.BANK"], "MODULE.NAME=VALUE"),
     (["--set", "nosuch.BANK=0"], "no module gpu_backend.nosuch"),
-    (["--set", "driver.NOSUCH=0"], "has no NOSUCH"),
-    (["--set", "driver.BANK=zero"], "not a Python literal"),
+    (["--set", "replay.loop.NOSUCH=0"], "has no NOSUCH"),
+    (["--set", "replay.loop.BANK=zero"], "not a Python literal"),
     ([], "B is A"),
-    (["--set", "driver.BANK=0", "--sweep", "64by2048"], "BATCHxKV"),
-    (["--set", "driver.BANK=0", "--sweep", "0x64"], "must be positive"),
-    (["--set", "driver.BANK=0", "--reps", "0"], "--reps"),
+    (["--set", "replay.loop.BANK=0", "--sweep", "64by2048"], "BATCHxKV"),
+    (["--set", "replay.loop.BANK=0", "--sweep", "0x64"], "must be positive"),
+    (["--set", "replay.loop.BANK=0", "--reps", "0"], "--reps"),
 ])
 def test_bad_input_is_a_usage_error(tmp_path: Path, args: list[str], says: str) -> None:
     out = tmp_path / "p.json"
@@ -65,7 +65,7 @@ def test_flashinfer_without_a_gpu_stack_says_what_to_use(tmp_path: Path) -> None
     if importlib.util.find_spec("flashinfer") and torch.cuda.is_available():
         pytest.skip("FlashInfer and CUDA are here: the default backend would run")
     out = tmp_path / "p.json"
-    p = _bench("--set", "driver.BANK=0", "--sweep", "4x64:3", "--work", str(tmp_path),
+    p = _bench("--set", "replay.loop.BANK=0", "--sweep", "4x64:3", "--work", str(tmp_path),
                "--json", str(out))
     assert p.returncode == 2 and "try --backend reference" in p.stderr
     assert "Traceback" not in p.stderr and not out.exists()

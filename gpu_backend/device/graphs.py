@@ -75,6 +75,7 @@ from gpu_backend.device.reference import beside, join, unwritten
 from gpu_backend.device.watch import IncrementalWatch
 from gpu_backend.host import graph_block
 from gpu_backend.host.graph_block import _FIELDS, Key, offsets
+from gpu_backend.host.staging import HOST32
 
 
 @cache
@@ -308,9 +309,9 @@ class StepGraphs:
         hkv, d = int(m.shape[3]), int(m.shape[4])
         w = e.wrapper
         try:
-            w.plan(dv["run0_qo@host"], dv["kv_indptr@host"], e.views["kv_indices"],
-                   dv["last_page_len@host"], self.hq, hkv, d, b.page_size, causal=True,
-                   q_data_type=m.dtype, kv_data_type=m.dtype, seq_lens=dv["seq_lens@host"],
+            w.plan(dv.view("run0_qo", HOST32), dv.kv_indptr_host, e.views["kv_indices"],
+                   dv.last_page_len_host, self.hq, hkv, d, b.page_size, causal=True,
+                   q_data_type=m.dtype, kv_data_type=m.dtype, seq_lens=dv.seq_lens_host,
                    uniform_q_len=key[1])
         except (ValueError, RuntimeError):
             return False

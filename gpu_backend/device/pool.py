@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,6 +21,7 @@ import torch
 
 from gpu_backend.device import reference
 from gpu_backend.host.batch import StepBatch
+from gpu_backend.host.staging import StepArrays
 from sim.trace.records import RowRecord
 
 
@@ -33,10 +33,10 @@ class Kernels(Protocol):
     name: str
 
     def run_step(self, pool: KVPool, b: StepBatch, rows: list[RowRecord],
-                 dv: Mapping[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 dv: StepArrays, k: torch.Tensor, v: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:
         """Append k/v [nnz_a, H_kv, D] and return attention out [nnz_q, H_q, D] for q.
-        dv: the step's arrays (`staging.StepArrays`: device int64/int32/bool, pinned host)."""
+        dv: the step's arrays (device int64, and typed reads: int32, bool, pinned host int32)."""
         ...
 
 # Content: x = sin(2*pi * ((t*A + p*P + C) mod M) / M), exact integer phase so CPU and GPU agree

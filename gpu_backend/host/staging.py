@@ -5,7 +5,7 @@ costs a launch. Here the host packs the arrays of a whole chunk of steps (`gpu_b
 builds them ahead) into one pinned int64 buffer and copies it with `non_blocking=True`; the
 device then holds it as int64 (indexing), int32 (kernel arguments) and bool (masks), the last
 two converted there when a view first needs them, so no step converts anything on the host but
-the few small int32 arrays the FlashInfer planners read on the host (`name@host`, made on
+the few small int32 arrays the FlashInfer planners read on the host (`HOST32`, made on
 first use). The chunk's buffers are never written again, so nothing waits for a copy to finish
 before reusing them.
 
@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 ALIGN = 32  # words: every array starts 256 B (int64) / 128 B (int32) aligned, as an allocation
-# name suffix -> which copy of the chunk a view comes from
-_COPIES = {"": "d64", "@32": "d32", "@b": "db", "@host": "h32", "@f64": "f64"}
+# the forms a staged array is read in, each one copy of its chunk: int64, int32 and bool on the
+# device, int32 on the host (a copy, for a planner), float64 on the device (arrays staged as it)
+I64, I32, MASK, HOST32, F64 = "d64", "d32", "db", "h32", "f64"
 Slot = tuple[tuple[int, ...], tuple[int, ...], int]  # an array's (shape, strides, offset)
 _ZEROS = np.zeros(ALIGN, dtype=np.int64)  # padding between arrays (only ever read)
 
@@ -157,20 +158,57 @@ class Chunk:
         return self._form(copy).as_strided(*slot)
 
 
+class Read:
+    """A typed read of a staged array (a `StepArrays` attribute): the array's name and the form
+    it is read in, stated once, so a misspelled name fails the type check, not the GPU run."""
+
+    def __init__(self, name: str, form: str):
+        self.name, self.form = name, form
+
+    def __get__(self, dv: StepArrays, owner: type | None = None) -> torch.Tensor:
+        return dv.view(self.name, self.form)
+
+
 class StepArrays(Mapping[str, torch.Tensor]):
-    """A step's arrays by name, as views into its chunk: `name` int64 on the device, `name@32`
-    int32 on the device, `name@b` bool on the device, `name@host` int32 on the host (a copy),
-    `name@f64` float64 on the device (arrays added as float64). Views are made on first use."""
+    """A step's arrays by name, as views into its chunk: `dv[name]` int64 on the device,
+    `dv.view(name, form)` in another form (`I32`, `MASK`, `HOST32`, `F64`), and the attributes
+    below: the arrays the kernels, the planners and the content read in a form other than int64.
+    Views are made on first use."""
+
+    kv_indices_i32 = Read("kv_indices", I32)
+    kv_indptr_i32 = Read("kv_indptr", I32)
+    last_page_len_i32 = Read("last_page_len", I32)
+    app_row_i32 = Read("app_row", I32)
+    append_pos_i32 = Read("append_pos", I32)
+    block_table_i32 = Read("block_table", I32)
+    kv_len_i32 = Read("kv_len", I32)
+    xqa_indices_i32 = Read("xqa_indices", I32)
+    kv_indptr_host = Read("kv_indptr", HOST32)
+    last_page_len_host = Read("last_page_len", HOST32)
+    seq_lens_host = Read("seq_lens", HOST32)
+    xqa_indptr_host = Read("xqa_indptr", HOST32)
+    xqa_last_page_len_host = Read("xqa_last_page_len", HOST32)
+    xqa_seq_lens_host = Read("xqa_seq_lens", HOST32)
+    fill_tok_m_f64 = Read("fill_tok_m", F64)
+    fill_pos_m_f64 = Read("fill_pos_m", F64)
+    app_tok_m_f64 = Read("app_tok_m", F64)
+    app_pos_m_f64 = Read("app_pos_m", F64)
+    tok_m_f64 = Read("tok_m", F64)
+    true_pos_m_f64 = Read("true_pos_m", F64)
+    eng_nan_mask = Read("eng_nan", MASK)
 
     def __init__(self, chunk: Chunk, slots: dict[str, Slot]):
         self.chunk, self.slots = chunk, slots
-        self.cache: dict[str, torch.Tensor] = {}
+        self.cache: dict[tuple[str, str], torch.Tensor] = {}
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        t = self.cache.get(key)
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.view(name, I64)
+
+    def view(self, name: str, form: str) -> torch.Tensor:
+        """Array `name` in form `form` (one of `I64`, `I32`, `MASK`, `HOST32`, `F64`)."""
+        t = self.cache.get((name, form))
         if t is None:
-            name, at, suffix = key.partition("@")
-            t = self.cache[key] = self.chunk.view(_COPIES[at + suffix], self.slots[name])
+            t = self.cache[name, form] = self.chunk.view(form, self.slots[name])
         return t
 
     def __iter__(self) -> Iterator[str]:
@@ -222,10 +260,10 @@ class Joined(StepArrays):
         super().__init__(then.chunk, then.slots)
         self.first = first
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key.partition("@")[0] in self.slots:
-            return super().__getitem__(key)
-        return self.first[key]
+    def view(self, name: str, form: str) -> torch.Tensor:
+        if name in self.slots:
+            return super().view(name, form)
+        return self.first.view(name, form)
 
     def __iter__(self) -> Iterator[str]:
         yield from self.slots
@@ -243,36 +281,34 @@ class FromRows(StepArrays):
     (`truth.row_content`): from `ptok` (the tokens) and `prow` ([3, R]: each row's queries,
     truth slot, committed less its first token), `app_tok_m` and `app_pos_m` (float64) and
     `tslot` and `true_pos` (int64) in a few launches, with the values and under the names of
-    the staged arrays they stand for (`@f64` the float64, the bare name its bits as int64)."""
+    the staged arrays they stand for (`F64` the float64, `I64` its bits as int64)."""
 
     MADE = ("app_tok_m", "app_pos_m", "tslot", "true_pos")
     SOURCES = ("ptok", "prow")
     made: dict[str, torch.Tensor] | None = None
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        t = self.cache.get(key)
+    def view(self, name: str, form: str) -> torch.Tensor:
+        t = self.cache.get((name, form))
         if t is not None:
             return t
-        name, at, suffix = key.partition("@")
         if name not in self.MADE:
-            return super().__getitem__(key)
+            return super().view(name, form)
         x = self._made()[name]
-        form = at + suffix
-        if form == "@f64" and x.dtype == torch.float64:
+        if form == F64 and x.dtype == torch.float64:
             t = x
-        elif form == "":
+        elif form == I64:
             t = x.view(torch.int64)
-        elif form == "@32" and x.dtype == torch.int64:
+        elif form == I32 and x.dtype == torch.int64:
             t = x.to(torch.int32)
         else:
-            raise KeyError(key)
-        self.cache[key] = t
+            raise KeyError(f"{name} as {form}")
+        self.cache[name, form] = t
         return t
 
     def _made(self) -> dict[str, torch.Tensor]:
         made = self.made
         if made is None:
-            tok, rows = super().__getitem__("ptok"), super().__getitem__("prow")
+            tok, rows = super().view("ptok", I64), super().view("prow", I64)
             n = int(tok.shape[0])
             row = torch.repeat_interleave(rows[0], output_size=n)  # no sync: n is known
             pos = torch.arange(n, dtype=torch.int64, device=tok.device) + rows[2][row]

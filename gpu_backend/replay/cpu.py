@@ -18,14 +18,13 @@ model: it computes such a launch as freshly planned (no catalog trace has one; d
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import numpy as np
 import torch
 
 from gpu_backend.device.pool import KernelFault, KVPool
 from gpu_backend.device.reference import attend, unwritten
 from gpu_backend.host.batch import StepBatch, launch_runs, stale_plan
+from gpu_backend.host.staging import StepArrays
 from sim.check.access import CLAMPED, WILD, Accesses, step_access
 from sim.trace.records import RowRecord
 
@@ -37,7 +36,7 @@ class ReferenceKernels:
         self.num_q_heads, self.num_blocks = num_q_heads, num_blocks
 
     def run_step(self, pool: KVPool, b: StepBatch, rows: list[RowRecord],
-                 dv: Mapping[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 dv: StepArrays, k: torch.Tensor, v: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:
         acc = step_access(b.backend, rows, b.page_size, self.num_blocks)
         idx, slot = self._physical(pool, acc.writes, "append")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,7 @@ from gpu_backend.device.graphs import StepGraphs
 from gpu_backend.device.pool import KernelFault, KVPool
 from gpu_backend.device.reference import unwritten
 from gpu_backend.host.batch import StepBatch, launch_runs, stale_plan
+from gpu_backend.host.staging import HOST32, StepArrays
 from sim.trace.records import RowRecord
 
 _WS = 256 << 20
@@ -108,7 +109,7 @@ class FlashInferKernels:
         return self.prefill[backend]
 
     def run_step(self, pool: KVPool, b: StepBatch, rows: list[RowRecord],
-                 dv: Mapping[str, torch.Tensor], k: torch.Tensor, v: torch.Tensor,
+                 dv: StepArrays, k: torch.Tensor, v: torch.Tensor,
                  q: torch.Tensor) -> torch.Tensor:
         self._hold_plan_cache(b.plan_cache_size)
         out = unwritten(q)  # a row no launch writes reads as NaN
@@ -116,11 +117,11 @@ class FlashInferKernels:
             self.events.append([])
         if self.attn_timing:
             self.attn_events.append((b.step, []))
-        indices = dv["kv_indices@32"]
+        indices = dv.kv_indices_i32
         try:
             self._timed(lambda: self.fi.append_paged_kv_cache(
-                k, v, dv["app_row@32"], dv["append_pos@32"], pool.data, indices,
-                dv["kv_indptr@32"], dv["last_page_len@32"], kv_layout="NHD"), attention=False)
+                k, v, dv.app_row_i32, dv.append_pos_i32, pool.data, indices,
+                dv.kv_indptr_i32, dv.last_page_len_i32, kv_layout="NHD"), attention=False)
             for i, (s, e, kind) in enumerate(launch_runs(b)):
                 o = out[b.qo_indptr[s]: b.qo_indptr[e]]
                 got = self._attend(pool, b, dv, i, s, e, kind, q, indices, o)
@@ -198,7 +199,7 @@ class FlashInferKernels:
         ev.record()
         self.fence[id(w)] = ev
 
-    def _attend(self, pool: KVPool, b: StepBatch, dv: Mapping[str, torch.Tensor], i: int, s: int,
+    def _attend(self, pool: KVPool, b: StepBatch, dv: StepArrays, i: int, s: int,
                 e: int, kind: str, q: torch.Tensor, indices: torch.Tensor,
                 o: torch.Tensor) -> torch.Tensor:
         qr = q[b.qo_indptr[s]: b.qo_indptr[e]]
@@ -208,17 +209,17 @@ class FlashInferKernels:
                 return self._xqa(pool, b, dv, s, e, qr, o)
             # ctx rows of a block-table engine, or shapes XQA does not build: FA2 over the
             # table rows, with the lengths the engine passed (what XQA would read)
-            return self._csr(pool, b, dv, i, s, e, kind, qr, dv["xqa_indices@32"],
-                             dv["xqa_indptr@host"][s: e + 1],
-                             dv["xqa_last_page_len@host"][s:e], dv["xqa_seq_lens@host"][s:e], o)
+            return self._csr(pool, b, dv, i, s, e, kind, qr, dv.xqa_indices_i32,
+                             dv.xqa_indptr_host[s: e + 1],
+                             dv.xqa_last_page_len_host[s:e], dv.xqa_seq_lens_host[s:e], o)
         stale = stale_plan(b, s, e, kind)
         if stale is not None:
             return self._stale_plan(pool, b, s, e, qr, indices, *stale, o)
         # pinned host tensors: plan() reads them on the host and copies them asynchronously
-        return self._csr(pool, b, dv, i, s, e, kind, qr, indices, dv["kv_indptr@host"][s: e + 1],
-                         dv["last_page_len@host"][s:e], dv["seq_lens@host"][s:e], o)
+        return self._csr(pool, b, dv, i, s, e, kind, qr, indices, dv.kv_indptr_host[s: e + 1],
+                         dv.last_page_len_host[s:e], dv.seq_lens_host[s:e], o)
 
-    def _csr(self, pool: KVPool, b: StepBatch, dv: Mapping[str, torch.Tensor], i: int, s: int,
+    def _csr(self, pool: KVPool, b: StepBatch, dv: StepArrays, i: int, s: int,
              e: int, kind: str, qr: torch.Tensor, indices: torch.Tensor, kv_indptr: torch.Tensor,
              lpl: torch.Tensor, seq: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """seq: the kv lengths FlashInfer's get_seq_lens would compute from kv_indptr and lpl,
@@ -231,7 +232,7 @@ class FlashInferKernels:
                        kv_data_type=dt, seq_lens=seq)
             return self._timed(lambda: self.decode.run(qr, pool.data, out=o))
         w = self._prefill("fa3" if b.backend == "fa3" else "fa2")
-        qo = dv[f"run{i}_qo@host"]
+        qo = dv.view(f"run{i}_qo", HOST32)
         self._plan(w, qo, kv_indptr, indices, lpl, hq, hkv, d, B, causal=True, q_data_type=dt,
                    kv_data_type=dt, seq_lens=seq)
         return self._timed(lambda: w.run(qr, pool.data, out=o))
@@ -263,14 +264,14 @@ class FlashInferKernels:
         torch.cuda.current_stream().synchronize()
         return got
 
-    def _xqa(self, pool: KVPool, b: StepBatch, dv: Mapping[str, torch.Tensor], s: int, e: int,
+    def _xqa(self, pool: KVPool, b: StepBatch, dv: StepArrays, s: int, e: int,
              qr: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         W = int(b.q_len[s])
         if np.any(b.q_len[s:e] != W):
             raise KernelFault("xqa: ragged draft widths in one launch are not replayed")
         d = pool.data.shape[4]
-        bt = dv["block_table@32"][s:e]
-        seq = dv["kv_len@32"][s:e]
+        bt = dv.block_table_i32[s:e]
+        seq = dv.kv_len_i32[s:e]
         mask = self._xqa_mask(e - s, W) if W > 1 else None
         from flashinfer.decode import xqa_batch_decode_with_kv_cache
 

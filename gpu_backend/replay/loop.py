@@ -317,13 +317,13 @@ def _content(truth: TruthStore, p: Prepared, hq: int
     dv = p.dv  # the store is [2, slots, H_kv, span, D] in the pool's dtype
     dt, hkv, d = truth.kv.dtype, int(truth.kv.shape[2]), int(truth.kv.shape[4])
     if p.fill:  # new requests' prefixes, at their true positions 0..committed-1
-        content_kv_q(dv["fill_tok_m@f64"], dv["fill_pos_m@f64"], hkv, hq, d, dt, False,
+        content_kv_q(dv.fill_tok_m_f64, dv.fill_pos_m_f64, hkv, hq, d, dt, False,
                      truth=(truth.kv, dv["fill_slot"], dv["fill_pos"]))
     # the engine's positions are the truth's and the queries are the appends: one pass
     direct = p.truth_same and p.q_identity
     tw = (truth.kv, dv["tslot"], dv["true_pos"])
-    kv, q = content_kv_q(dv["app_tok_m@f64"], dv["app_pos_m@f64"], hkv, hq, d, dt,
-                         nan=dv["eng_nan@b"] if p.engine_nan else None,
+    kv, q = content_kv_q(dv.app_tok_m_f64, dv.app_pos_m_f64, hkv, hq, d, dt,
+                         nan=dv.eng_nan_mask if p.engine_nan else None,
                          truth=tw if direct else None)
     assert q is not None
     if not p.q_identity:
@@ -333,7 +333,7 @@ def _content(truth: TruthStore, p: Prepared, hq: int
     if p.truth_same:
         truth.write(dv["tslot"], dv["true_pos"], kv[:, dv["q2a"]])
         return kv, q, None
-    _, tq = content_kv_q(dv["tok_m@f64"], dv["true_pos_m@f64"], hkv, hq, d, dt, truth=tw)
+    _, tq = content_kv_q(dv.tok_m_f64, dv.true_pos_m_f64, hkv, hq, d, dt, truth=tw)
     return kv, q, tq
 
 BANK_WORDS = 1 << 25  # int64 words of the banked steps' chunks, at most (256 MiB pinned, as

@@ -21,7 +21,7 @@ from gpu_backend.host.batch import StepBatch
 from gpu_backend.host.graph_block import H200, Planner
 from gpu_backend.host.layout import prompts_batch
 from gpu_backend.host.prepare import HostState, Prepared, complete, prepared_steps
-from gpu_backend.host.staging import Chunk, FromRows, Joined, stage
+from gpu_backend.host.staging import I32, Chunk, FromRows, Joined, stage
 from gpu_backend.host.truth import truth_shape
 from gpu_backend.replay import loop
 from gpu_backend.replay.cpu import ReferenceKernels
@@ -273,7 +273,7 @@ def test_joined_reads_each_array_from_its_own_chunk() -> None:
     b.upload()
     j = Joined(first, then)
     assert sorted(j) == ["w", "x", "y", "z"] and len(j) == 4
-    assert j["x"].tolist() == [0, 1, 2] and j["y@32"].dtype == torch.int32
+    assert j["x"].tolist() == [0, 1, 2] and j.view("y", I32).dtype == torch.int32
     assert j["z"].tolist() == [0, 2, 4, 6, 8] and j["w"].tolist() == [[1, 2], [3, 4]]
     assert j.chunk is b
     buf, off, n = j.span("y")

@@ -20,7 +20,7 @@ from gpu_backend.device.pool import M, mod_m
 from gpu_backend.host import prepare_jit
 from gpu_backend.host.layout import prompts_batch, token_rows
 from gpu_backend.host.prepare import prepared_steps
-from gpu_backend.host.staging import Chunk, FromRows, stage
+from gpu_backend.host.staging import F64, I32, I64, Chunk, FromRows, stage
 from gpu_backend.host.truth import row_content
 from gpu_backend.replay.loop import GUARD_PAGES
 from gpu_backend.trace import TraceData, load_trace
@@ -77,7 +77,7 @@ def _first_columns(trace: TraceData, **change: Any) -> TraceData:
 
 def test_from_rows_gives_the_per_token_arrays(tmp_path: Path) -> None:
     """On the CPU, every array `FromRows` makes is the staged per-token one, by value, dtype
-    and form (the bare name the float64's bits, @f64 the float64, @32 the int32)."""
+    and form (I64 the float64's bits, F64 the float64, I32 the int32)."""
     trace = _trace(tmp_path)
     st_ = _state(trace, together=True)
     s = trace.steps[0]
@@ -98,12 +98,12 @@ def test_from_rows_gives_the_per_token_arrays(tmp_path: Path) -> None:
     ref = type(ref)(chunk, ref.slots)
     assert sorted(got) == sorted(FromRows.MADE) and len(got) == len(FromRows.MADE)
     for k in FromRows.MADE:
-        forms = ["", "@f64"] if k.endswith("_m") else ["", "@32"]
+        forms = [I64, F64] if k.endswith("_m") else [I64, I32]
         for f in forms:
-            a, b = got[k + f], ref[k + f]
-            assert a.dtype == b.dtype and torch.equal(a, b), k + f
+            a, b = got.view(k, f), ref.view(k, f)
+            assert a.dtype == b.dtype and torch.equal(a, b), (k, f)
     with pytest.raises(KeyError):
-        got["tslot@f64"]
+        got.view("tslot", F64)
 
 
 @pytest.mark.parametrize("change", [

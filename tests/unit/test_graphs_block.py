@@ -12,6 +12,7 @@ from replay_traces import SCENARIOS, big_verify
 from gpu_backend.host import graph_block
 from gpu_backend.host.graph_block import H200, Planner, image, layout
 from gpu_backend.host.prepare import HostState, Prepared, prepared_steps
+from gpu_backend.host.staging import I32
 from gpu_backend.host.truth import truth_shape
 from gpu_backend.replay.loop import GUARD_PAGES
 from gpu_backend.trace import TraceData, load_trace
@@ -70,8 +71,8 @@ def test_the_block_holds_each_field_at_its_offset(verify_trace: TraceData) -> No
         at = graph_block.offsets(p.graph)
         touched = dv["touched"].numpy() if p.touched else np.zeros(0, dtype=np.int64)
         prows = np.concatenate([dv[f"ev{a}"].numpy() for _, a, *_ in p.ops])
-        want = {"app_tok_m": dv["app_tok_m@f64"].numpy().view(np.int64),
-                "app_pos_m": dv["app_pos_m@f64"].numpy().view(np.int64),
+        want = {"app_tok_m": dv.app_tok_m_f64.numpy().view(np.int64),
+                "app_pos_m": dv.app_pos_m_f64.numpy().view(np.int64),
                 "tslot": dv["tslot"].numpy(), "true_pos": b.true_pos, "app_row": b.app_row,
                 "append_pos": b.append_pos, "qo": dv["run0_qo"].numpy(),
                 "kv_indptr": b.kv_indptr, "last_page_len": b.last_page_len,
@@ -89,7 +90,7 @@ def test_the_block_holds_each_field_at_its_offset(verify_trace: TraceData) -> No
             assert not got[len(w):].any(), name  # padding: zeros, past the counts
         # the int32 twin the kernels and the planner read
         o, n = at["kv_indices"]
-        np.testing.assert_array_equal(dv["gblk@32"].numpy()[o:], b.kv_indices)
+        np.testing.assert_array_equal(dv.view("gblk", I32).numpy()[o:], b.kv_indices)
         assert all(o % 32 == 0 for o, _ in at.values())
         prev = b.step
 

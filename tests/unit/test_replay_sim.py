@@ -12,7 +12,7 @@ import pytest
 import torch
 from replay_traces import EXPECTED, SCENARIOS
 
-from gpu_backend.host.staging import Chunk, stage
+from gpu_backend.host.staging import F64, HOST32, I32, MASK, Chunk, stage
 from gpu_backend.replay.run import run_replay
 from gpu_backend.tools.agreement import main as agreement_main
 from gpu_backend.verdicts import DEFAULT_TOL
@@ -77,9 +77,10 @@ def test_staging_keeps_names_shapes_and_copies(shape: tuple[int, ...]) -> None:
     other = stage(chunk, {"a": np.array([9])})  # a second step in the same chunk
     chunk.upload()
     assert out["a"].tolist() == a.tolist() and out["b"].tolist() == [7, 0]
-    assert out["a@32"].dtype == torch.int32 and out["a@32"].tolist() == a.tolist()
-    assert out["b@host"].dtype == torch.int32 and out["b@host"].tolist() == [7, 0]
-    assert out["b@b"].tolist() == [True, False] and out["f@f64"].tolist() == [0.5, 3.0]
+    assert out.view("a", I32).dtype == torch.int32 and out.view("a", I32).tolist() == a.tolist()
+    assert out.view("b", HOST32).dtype == torch.int32 and out.view("b", HOST32).tolist() == [7, 0]
+    assert out.view("b", MASK).tolist() == [True, False]
+    assert out.view("f", F64).tolist() == [0.5, 3.0]
     assert other["a"].tolist() == [9] and len(out) == 3
 
 

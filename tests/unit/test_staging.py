@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from gpu_backend.host.staging import Chunk, stage
+from gpu_backend.host.staging import F64, HOST32, I32, MASK, Chunk, Read, StepArrays, stage
 
 
 def _chunk() -> tuple[Chunk, dict[str, np.ndarray]]:
@@ -24,26 +24,26 @@ def test_every_view_is_the_staged_array() -> None:
     chunk.upload()
     for k, a in arrays.items():
         if a.dtype == np.float64:
-            assert np.array_equal(dv[k + "@f64"].numpy(), a)
+            assert np.array_equal(dv.view(k, F64).numpy(), a)
             continue
         assert np.array_equal(dv[k].numpy(), a)
-        assert dv[k + "@32"].dtype == torch.int32 and np.array_equal(dv[k + "@32"].numpy(), a)
-        assert np.array_equal(dv[k + "@b"].numpy(), a != 0)
-        assert np.array_equal(dv[k + "@host"].numpy(), a.astype(np.int32))
+        assert dv.view(k, I32).dtype == torch.int32 and np.array_equal(dv.view(k, I32).numpy(), a)
+        assert np.array_equal(dv.view(k, MASK).numpy(), a != 0)
+        assert np.array_equal(dv.view(k, HOST32).numpy(), a.astype(np.int32))
 
 
 def test_int32_and_bool_forms_only_when_viewed() -> None:
     """A chunk of CUDA-graph steps views only its int64 words: no int32 or bool form (each
-    was a device launch a chunk); the first @32 view makes the form, later ones share it."""
+    was a device launch a chunk); the first int32 view makes the form, later ones share it."""
     chunk, arrays = _chunk()
     dv = stage(chunk, arrays)
     chunk.upload()
-    dv["idx"], dv["grid"], dv["pos_m@f64"], dv["mask@host"]
+    dv["idx"], dv["grid"], dv.view("pos_m", F64), dv.view("mask", HOST32)
     assert set(chunk.bufs) == {"h64", "d64", "f64"}
-    a = dv["idx@32"]
+    a = dv.view("idx", I32)
     assert "d32" in chunk.bufs and "db" not in chunk.bufs
-    assert dv["grid@32"].untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
-    dv["mask@b"]
+    assert dv.view("grid", I32).untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    dv.view("mask", MASK)
     assert "db" in chunk.bufs
 
 
@@ -122,3 +122,23 @@ def test_a_claim_trimmed_back_leaves_the_chunk_as_it_was() -> None:
         assert at % 32 == 0 and len(room) == 100 and chunk.n == at + 100
         chunk.trim(before[0])
         assert (chunk.n, chunk.words().tolist()) == before
+
+
+def test_each_typed_read_is_its_array_in_its_dtype() -> None:
+    """Every `Read` attribute of `StepArrays` (what the kernels, planners and content read)
+    gives its staged array's values in the dtype and place its form states, and no two
+    attributes read the same array in the same form."""
+    reads = {k: r for k, r in vars(StepArrays).items() if isinstance(r, Read)}
+    assert len({(r.name, r.form) for r in reads.values()}) == len(reads)
+    rng = np.random.default_rng(1)
+    arrays = {r.name: rng.random(7) * 1e6 if r.form == F64 else rng.integers(0, 1 << 20, 7)
+              for r in reads.values()}
+    chunk = Chunk("cpu")
+    dv = stage(chunk, arrays)
+    chunk.upload()
+    want = {I32: torch.int32, HOST32: torch.int32, MASK: torch.bool, F64: torch.float64}
+    for k, r in reads.items():
+        got = getattr(dv, k)
+        assert got.dtype == want[r.form] and got is dv.view(r.name, r.form), k
+        a = arrays[r.name]
+        assert np.array_equal(got.numpy(), a != 0 if r.form == MASK else a), k

@@ -218,6 +218,23 @@ def _exchange(a: Path, b: Path) -> bool:
     return fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
 
 
+def write_folder(out: Path, kind: Kind, files: dict[str, str]) -> None:
+    """Write `files` (name -> text) as kvsim's output folder `out` of `kind`: built in a
+    temporary sibling, marked, then swapped in, replacing only an earlier output of `kind`."""
+    out = out.absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_path(out)
+    shutil.rmtree(tmp, ignore_errors=True)  # our own pid's: a leftover of a dead namesake
+    try:
+        tmp.mkdir()
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        write_marker(tmp, kind)
+        publish(tmp, out, kind)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def file_temp(out: Path) -> Path:
     """The hidden sibling a single-file output is written to before `publish`."""
     return out.with_name(f".{out.name}.tmp-{os.getpid()}")

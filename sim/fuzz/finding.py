@@ -8,13 +8,12 @@ earlier finding (a folder with kvsim.json {"kind": "fuzz"}) is ever replaced.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from sim.fuzz.campaign import Finding
 from sim.fuzz.toml_out import dumps
-from sim.outputs import Kind, publish, temp_path, write_marker
+from sim.outputs import Kind, write_folder
 
 
 def scenario_with_profile(f: Finding) -> dict[str, Any]:
@@ -41,16 +40,7 @@ def write_finding(f: Finding, out: Path) -> Path:
               f"(shrunk after {f.examples} examples).\n"
               f"{f.hit.invariant}: {f.hit.message}\n"
               f"Reproduce: {repro_command(out, f.profile)}")
-    out = out.absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)  # our own pid's: a leftover of a dead namesake
-    try:
-        tmp.mkdir()
-        (tmp / "scenario.toml").write_text(dumps(scenario_with_profile(f), header))
-        (tmp / "finding.json").write_text(json.dumps(finding_record(f), indent=2) + "\n")
-        write_marker(tmp, Kind.FUZZ)
-        publish(tmp, out, Kind.FUZZ)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_folder(out, Kind.FUZZ, {
+        "scenario.toml": dumps(scenario_with_profile(f), header),
+        "finding.json": json.dumps(finding_record(f), indent=2) + "\n"})
     return out / "scenario.toml"

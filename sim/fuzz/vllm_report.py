@@ -8,13 +8,12 @@ campaign's finding is (sim/fuzz/finding.py): `report.json` and one `CLASS.toml` 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 from sim.fuzz.toml_out import dumps
 from sim.fuzz.vllm_campaign import Shrunk, Tally
-from sim.outputs import Kind, publish, temp_path, write_marker
+from sim.outputs import Kind, write_folder
 
 
 def file_name(cls: str) -> str:
@@ -53,19 +52,11 @@ def report(t: Tally, shrunk: list[Shrunk], seed: int, examples: int,
 def write_report(rep: dict[str, Any], shrunk: list[Shrunk], out: Path) -> None:
     """Write `report.json` and the shrunk scenarios to folder `out`, replacing only an
     earlier finding (sim/outputs.py)."""
-    out = out.absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(out)
-    shutil.rmtree(tmp, ignore_errors=True)  # our own pid's: a leftover of a dead namesake
-    try:
-        tmp.mkdir()
-        for s, f in zip(shrunk, rep["shrunk"], strict=True):
-            header = (f"Found by `kvsim fuzz --engine vllm --seed {rep['seed']} --examples "
-                      f"{rep['examples']}`, shrunk.\n{s.cls}: {s.message}\n"
-                      f"Reproduce: {f['reproduce']}")
-            (tmp / file_name(s.cls)).write_text(dumps(s.scenario, header))
-        (tmp / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
-        write_marker(tmp, Kind.FUZZ)
-        publish(tmp, out, Kind.FUZZ)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    files = {}
+    for s, f in zip(shrunk, rep["shrunk"], strict=True):
+        header = (f"Found by `kvsim fuzz --engine vllm --seed {rep['seed']} --examples "
+                  f"{rep['examples']}`, shrunk.\n{s.cls}: {s.message}\n"
+                  f"Reproduce: {f['reproduce']}")
+        files[file_name(s.cls)] = dumps(s.scenario, header)
+    files["report.json"] = json.dumps(rep, indent=2) + "\n"
+    write_folder(out, Kind.FUZZ, files)

@@ -14,6 +14,7 @@ from sim.config import Scenario
 from sim.engines.vllm import payload, refuse_unsupported
 from sim.engines.vllm_trace import Converter, request_records
 from sim.errors import ProfileError, ScenarioError
+from sim.trace.records import TOTALS, count_request
 from sim.vllm_engine import VllmRun
 
 PROFILE = "vllm-v1"
@@ -54,20 +55,10 @@ def run_vllm_model(sc: Scenario, base_dir: Path | None,
         sink(step, rows, events)
         steps, now = steps + 1, step.t_dev_end_ns
         gen_steps += sum(r.phase == "gen" for r in rows)
-    totals = dict.fromkeys(("requests", "finished", "rejected", "output_tokens",
-                            "prompt_tokens", "reused_tokens", "accepted", "proposed",
-                            "preemptions"), 0) | {"gen_steps": gen_steps}
+    totals = dict.fromkeys(TOTALS, 0) | {"gen_steps": gen_steps}
     for rec in request_records(p, final):
         sink.on_request(rec)  # type: ignore[attr-defined]
-        totals["requests"] += 1
-        totals["finished"] += rec.finish_reason in ("length", "max_seq_len")
-        totals["rejected"] += rec.finish_reason == "rejected"
-        totals["output_tokens"] += len(rec.output_tokens)
-        totals["prompt_tokens"] += rec.prompt_len
-        totals["reused_tokens"] += rec.reused_tokens
-        totals["accepted"] += rec.accepted_drafts
-        totals["proposed"] += rec.proposed_drafts
-        totals["preemptions"] += rec.num_preemptions
+        count_request(totals, rec)
     return totals, steps, sc.cache.num_blocks - 1, now
 
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from sim.request import Request, State
-from sim.trace.records import RequestRecord, RowRecord, Violation
+from sim.trace.records import TOTALS, RequestRecord, RowRecord, Violation, count_request
 from sim.workload import RequestSpec
 
 if TYPE_CHECKING:
@@ -21,9 +21,7 @@ class Processor:
         self.last_processed = -1
         self.violations: list[Violation] = []
         self.on_request: Callable[[RequestRecord], None] = lambda rec: None
-        self.totals = dict.fromkeys(("requests", "finished", "rejected", "output_tokens",
-                                     "prompt_tokens", "reused_tokens", "gen_steps",
-                                     "accepted", "proposed", "preemptions"), 0)
+        self.totals = dict.fromkeys(TOTALS, 0)
         self.slack = 2 * (eng.sc.spec.depth + eng.sc.spec.extra_kv_tokens) + 2
 
     # -- arrivals ---------------------------------------------------------------------------
@@ -169,17 +167,8 @@ class Processor:
 
     def _emit(self, r: Request) -> None:
         rec = self._record(r)
-        t = self.totals
-        t["requests"] += 1
-        t["finished"] += rec.finish_reason in ("length", "max_seq_len")
-        t["rejected"] += rec.finish_reason == "rejected"
-        t["output_tokens"] += len(rec.output_tokens)
-        t["prompt_tokens"] += rec.prompt_len
-        t["reused_tokens"] += rec.reused_tokens
-        t["gen_steps"] += rec.num_steps
-        t["accepted"] += rec.accepted_drafts
-        t["proposed"] += rec.proposed_drafts
-        t["preemptions"] += rec.num_preemptions
+        count_request(self.totals, rec)
+        self.totals["gen_steps"] += rec.num_steps
         self.on_request(rec)
 
     def _record(self, r: Request) -> RequestRecord:

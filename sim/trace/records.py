@@ -99,6 +99,24 @@ class RequestRecord:
     proposed_drafts: int
 
 
+TOTALS = ("requests", "finished", "rejected", "output_tokens", "prompt_tokens",
+          "reused_tokens", "gen_steps", "accepted", "proposed", "preemptions")
+
+
+def count_request(totals: dict[str, int], rec: RequestRecord) -> None:
+    """Add one finished request to a run's totals (all of TOTALS but `gen_steps`, which each
+    engine counts its own way)."""
+    totals["requests"] += 1
+    totals["finished"] += rec.finish_reason in ("length", "max_seq_len")
+    totals["rejected"] += rec.finish_reason == "rejected"
+    totals["output_tokens"] += len(rec.output_tokens)
+    totals["prompt_tokens"] += rec.prompt_len
+    totals["reused_tokens"] += rec.reused_tokens
+    totals["accepted"] += rec.accepted_drafts
+    totals["proposed"] += rec.proposed_drafts
+    totals["preemptions"] += rec.num_preemptions
+
+
 @dataclass(frozen=True, slots=True)
 class Violation:
     invariant: str

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
-from vllm_cases import CASES, _req
+from vllm_cases import CASES, _blocks_hit, _first_row, _req
 from vllm_workloads import generated
 
 from sim.check import StepChecker
@@ -95,20 +95,6 @@ def test_a_refused_or_failing_workload_leaves_the_session_usable(session, runs):
 def runs(real) -> dict[str, list[dict]]:
     """Each of vLLM's test cases' objects from the driver."""
     return {name: real[name][1] for name in CASES}
-
-
-def _first_row(objs: list[dict], request: int) -> tuple[dict, dict]:
-    """(step object, row) of the request's first scheduled step."""
-    for o in objs:
-        for r in o.get("rows", ()):
-            if r["request"] == request:
-                return o, r
-    raise AssertionError(f"request {request} never scheduled")
-
-
-def _blocks_hit(objs: list[dict], request: int) -> tuple[list[int], int]:
-    row = _first_row(objs, request)[1]
-    return row["blocks"], row["hit"]
 
 
 def test_prefill_block_ids_hits_and_free_order(runs):

@@ -9,7 +9,7 @@ vLLM itself), never from the model's output.
 from __future__ import annotations
 
 import pytest
-from vllm_cases import CASES
+from vllm_cases import CASES, _blocks_hit, _first_row
 
 from sim.api import run
 from sim.config import parse_scenario
@@ -21,19 +21,6 @@ from sim.vllm_engine import VllmRun
 
 def _objs(name: str) -> list[dict]:
     return list(VllmRun(CASES[name]).run())
-
-
-def _first_row(objs: list[dict], request: int) -> tuple[dict, dict]:
-    for o in objs:
-        for r in o.get("rows", ()):
-            if r["request"] == request:
-                return o, r
-    raise AssertionError(f"request {request} never scheduled")
-
-
-def _blocks_hit(objs: list[dict], request: int) -> tuple[list[int], int]:
-    row = _first_row(objs, request)[1]
-    return row["blocks"], row["hit"]
 
 
 def test_prefill_block_ids_hits_and_free_order():

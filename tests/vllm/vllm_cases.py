@@ -56,3 +56,17 @@ CASES = {
                                  _req(3, COMMON + [5] * 7, 3 * LATER)]),
                   reset_prefix_cache_ns=[LATER, 2 * LATER], max_steps=400),
 }
+
+
+def _first_row(objs: list[dict], request: int) -> tuple[dict, dict]:
+    """(step object, row) of the request's first scheduled step."""
+    for o in objs:
+        for r in o.get("rows", ()):
+            if r["request"] == request:
+                return o, r
+    raise AssertionError(f"request {request} never scheduled")
+
+
+def _blocks_hit(objs: list[dict], request: int) -> tuple[list[int], int]:
+    row = _first_row(objs, request)[1]
+    return row["blocks"], row["hit"]
